@@ -1,0 +1,116 @@
+"""Launch a step's code on several CPU processes and check it against a single device.
+
+The pytest process never imports a step's modules (all steps share module
+names); it starts `world` fresh Python processes running worker.py with the
+environment torchrun would give them (gloo, CPU, one thread each), waits with a
+deadline, and only reads back the tensors they saved.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "worker.py"
+RTOL = 1e-5  # fp32: pipelining only reorders sums, so results agree to rounding
+
+
+class RunFailed(AssertionError):
+    """A multi-process run crashed or stalled; the message says which rank and where."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
+    """Run `cmd` as ranks 0..world-1; return their stdout texts. Raise RunFailed naming the bad rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    port, procs, logs = free_port(), [], []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env(rank, world, port),
+                                      stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(2)  # let the peers of a crashed rank print their side, then stop them
+            break
+        time.sleep(0.05)
+    stalled = [r for r, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    texts = [(log.seek(0), log.read())[1] for log in logs]
+    for log in logs:
+        log.close()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in stalled]
+    if failed or stalled:
+        raise RunFailed(failure_message(out, texts, failed, stalled, timeout))
+    return texts
+
+
+def failure_message(out: Path, texts, failed, stalled, timeout) -> str:
+    lines = []
+    for rank in failed:
+        lines.append(f"rank {rank} exited with an error; last output:\n{tail(texts[rank])}")
+    for rank in stalled:
+        where = out / f"rank{rank}.status"
+        last = where.read_text() if where.exists() else "(no status written)"
+        lines.append(f"rank {rank} stalled for {timeout:.0f} s at: {last}; last output:\n{tail(texts[rank])}")
+    return "\n".join(lines)
+
+
+def tail(text: str, n: int = 15) -> str:
+    return "\n".join("    " + line for line in text.strip().splitlines()[-n:])
+
+
+def run_cases(step_dir: Path, world: int, cases, out: Path, timeout: float = 240):
+    """All `cases` (lists of flags) of one step and world size, in one process group."""
+    launch([sys.executable, str(WORKER), str(step_dir), str(out), json.dumps(cases)], world, out, timeout)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def compare_case(case_dir: Path, world: int, label: str):
+    """Every mismatch between the ranks' results and the single-device reference, as text."""
+    ref = torch.load(case_dir / "reference.pt")
+    errors, seen = [], set()
+    for rank in range(world):
+        got = torch.load(case_dir / f"rank{rank}.pt")
+        where = f"{label}, rank {rank}"
+        for step, (loss, ref_loss) in enumerate(zip(got["losses"], ref["losses"])):
+            if abs(loss - ref_loss) > RTOL * abs(ref_loss):
+                errors.append(f"{where}: loss at step {step} is {loss:.8f}, reference {ref_loss:.8f}")
+        for name in got["names"]:
+            seen.add(name)
+            if name not in got["grads"]:
+                errors.append(f"{where}: parameter {name} got no gradient")
+                continue
+            for what in ("grads", "weights"):
+                err = rel_err(got[what][name], ref[what][name])
+                if err > RTOL:
+                    errors.append(f"{where}: {what[:-1]} of {name} has relative error {err:.2e} > {RTOL:.0e}")
+    missing = sorted(set(ref["grads"]) - seen)
+    if missing:
+        errors.append(f"{label}: no rank holds parameters {missing}")
+    return errors

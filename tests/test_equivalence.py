@@ -1,0 +1,59 @@
+"""Pipelined training equals single-device training.
+
+For each configuration: the loss and every parameter's gradient after one
+step, and the losses and weights after three AdamW steps, must match the whole
+model trained on one device on the same global batch (relative error <= 1e-5).
+
+All cases of one step and world size share one launch of `world` processes,
+so the suite pays Python and torch start-up once per group, not per case.
+"""
+import pytest
+
+from harness import compare_case, run_cases
+
+# A tiny model: the schedule is what is under test, not the arithmetic.
+TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+        "--lr", "3e-3", "--timeout", "60"]
+
+
+def case(step: str, world: int, *flags: str):
+    return pytest.param(step, world, [*TINY, *flags], id=f"{step}:{' '.join(flags)}")
+
+
+CASES = [
+    *[case("step01_naive", pp, "--pp", str(pp), "--layers", str(layers))
+      for pp, layers in [(1, 4), (2, 4), (4, 4), (2, 5), (4, 6)]],
+    *[case("step02_gpipe", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), *recompute)
+      for pp in (2, 4) for m in (1, 2, 4, 8) for recompute in ([], ["--recompute"])],
+    *[case("step03_afab", pp * dp, "--pp", str(pp), "--dp", str(dp), "--layers", "4", "--microbatches", str(m))
+      for pp, dp in [(2, 1), (4, 1), (2, 2), (1, 2)] for m in (1, 4)],
+]
+
+
+@pytest.fixture(scope="session")
+def group_results(step_dirs, tmp_path_factory):
+    """run(step, world) -> {flags: folder of saved results}, launching each group once."""
+    cache = {}
+
+    def run(step, world):
+        if (step, world) not in cache:
+            flags = [p.values[2] for p in CASES if p.values[:2] == (step, world)]
+            out = tmp_path_factory.mktemp(f"{step}-world{world}")
+            try:
+                run_cases(step_dirs[step], world, flags, out, timeout=60 + 20 * len(flags))
+                cache[step, world] = {tuple(f): out / f"case{i}" for i, f in enumerate(flags)}
+            except AssertionError as failure:
+                cache[step, world] = failure
+        if isinstance(cache[step, world], AssertionError):
+            raise cache[step, world]
+        return cache[step, world]
+
+    return run
+
+
+@pytest.mark.parametrize("step, world, flags", CASES)
+def test_matches_single_device(step, world, flags, group_results):
+    case_dir = group_results(step, world)[tuple(flags)]
+    label = f"{step} [{' '.join(flags[len(TINY):])}]"
+    errors = compare_case(case_dir, world, label)
+    assert not errors, "\n".join(errors[:25])

@@ -1,0 +1,79 @@
+"""train.py as a user runs it: torchrun with default flags, and bad flags that must fail fast."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import STEPS
+from harness import REPO, tail
+
+SMOKE_STEPS = 4
+
+
+def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(step_dir / "train.py"), *flags]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_default_run_learns_and_writes_log_and_trace(step, step_dirs, tmp_path):
+    log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
+    done = torchrun(step_dirs[step], 4, "--steps", str(SMOKE_STEPS), "--log-json", str(log), "--trace", str(trace))
+    assert done.returncode == 0, tail(done.stdout + done.stderr, 40)
+    assert "bubble" in done.stdout and "formula" in done.stdout
+
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(SMOKE_STEPS))
+    for r in records:
+        assert {"loss", "step_time_s", "tokens_per_s", "peak_mem_bytes"} <= r.keys()
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+    assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in range(4):
+        kinds = [e["cat"] for e in events if e.get("tid") == rank and e["ph"] == "X"]
+        assert kinds.count("forward") >= SMOKE_STEPS and kinds.count("backward") >= SMOKE_STEPS, (rank, kinds)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
+
+
+def bad(steps, world, flags, *expected):
+    return [pytest.param(step, world, flags, expected, id=f"{step}:{' '.join(flags)}") for step in steps]
+
+
+LATER = [s for s in STEPS if s >= "step02"]
+CASES = [
+    *bad(STEPS, 4, ["--pp", "2"], "--pp 2", "world size 4"),
+    *bad(STEPS, 4, ["--layers", "3"], "--pp 4", "--layers 3"),
+    *bad(STEPS, 1, ["--device", "tpu"], "--device tpu", "auto, cpu or cuda"),
+    *bad(STEPS, 1, ["--hidden", "100", "--heads", "3"], "--hidden 100", "--heads 3"),
+    *bad(STEPS, 1, ["--data", "/no/such/file"], "--data /no/such/file", "not a file"),
+    *bad(STEPS, 1, ["--steps", "0"], "--steps 0", "at least 1"),
+    *bad(LATER, 2, ["--batch-size", "6", "--microbatches", "4"], "--batch-size 6", "--microbatches 4"),
+    *bad([s for s in STEPS if s >= "step03"], 4, ["--pp", "2", "--dp", "2", "--batch-size", "6",
+                                                  "--microbatches", "1"], "--batch-size 6", "--dp 2"),
+    *bad([s for s in STEPS if s >= "step03"], 4, ["--pp", "3", "--dp", "2"], "--pp 3", "--dp 2", "world size 4"),
+]
+if not torch.cuda.is_available():
+    CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
+
+
+@pytest.mark.parametrize("step, world, flags, expected", CASES)
+def test_bad_configuration_fails_fast_with_a_clear_line(step, world, flags, expected, step_dirs):
+    """Run as rank 0 of `world` with no peers: only a check before start-up can end it quickly."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1", OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), *flags], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert time.monotonic() - start < 30
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: "), done.stderr
+    for text in expected:
+        assert text in message, f"{text!r} not in {message!r}"
