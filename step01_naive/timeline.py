@@ -1,6 +1,7 @@
 """Record what each rank did and when, and turn it into a trace and a bubble measurement.
 
-Each rank appends one event per forward, backward, send, receive and wait:
+Each rank appends one event per forward, backward, send and receive (a
+receive's length is mostly time spent waiting for the peer):
 (kind, microbatch, step, start, end) in seconds. Clocks are read right after a
 barrier at the start of every optimizer step, so all ranks share a time origin
 per step to within the barrier's exit skew. On CUDA the clock is read after a

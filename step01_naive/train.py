@@ -88,7 +88,7 @@ def train_step(run, step: int) -> dict:
                 peak_mem_bytes=peaks)
 
 
-def report(run, records):
+def report(run):
     """After training: the bubble per rank beside the formula, and the trace file."""
     events = gather_events(run.timeline)
     if dist.get_rank() != 0:
@@ -105,10 +105,8 @@ def main(argv=None):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
-    records = []
     for step in range(args.steps):
         record = train_step(run, step)
-        records.append(record)
         if dist.get_rank() == 0:
             print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
                   f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
@@ -116,7 +114,7 @@ def main(argv=None):
                 log.write(json.dumps(record) + "\n")
     if log:
         log.close()
-    report(run, records)
+    report(run)
     dist.barrier()  # gloo aborts a rank whose peers tear down while it still writes
     dist.destroy_process_group()
 
