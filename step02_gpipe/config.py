@@ -71,7 +71,8 @@ def check_config(args, world_size: int, cuda_available: bool):
     """Fill in defaults that depend on the world size, then enforce every rule."""
     if args.pp is None:
         args.pp = world_size
-    positive(args, "--pp", "--batch-size", "--microbatches", "--seq-len", "--layers", "--hidden", "--heads", "--steps")
+    positive(args, "--pp", "--batch-size", "--microbatches", "--seq-len", "--layers", "--hidden", "--heads",
+             "--steps")
     if args.pp != world_size:
         raise ConfigError(f"--pp {args.pp} must equal the world size {world_size} (torchrun --nproc_per_node)")
     if args.batch_size % args.microbatches:

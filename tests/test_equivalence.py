@@ -27,6 +27,7 @@ CASES = [
       for pp in (2, 4) for m in (1, 2, 4, 8) for recompute in ([], ["--recompute"])],
     *[case("step03_afab", pp * dp, "--pp", str(pp), "--dp", str(dp), "--layers", "4", "--microbatches", str(m))
       for pp, dp in [(2, 1), (4, 1), (2, 2), (1, 2)] for m in (1, 4)],
+    case("step03_afab", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2", "--recompute"),
 ]
 
 

@@ -46,7 +46,8 @@ def bad(steps, world, flags, *expected):
     return [pytest.param(step, world, flags, expected, id=f"{step}:{' '.join(flags)}") for step in steps]
 
 
-LATER = [s for s in STEPS if s >= "step02"]
+LATER = [s for s in STEPS if s >= "step02"]  # steps with microbatches
+WITH_DP = [s for s in STEPS if s >= "step03"]
 CASES = [
     *bad(STEPS, 4, ["--pp", "2"], "--pp 2", "world size 4"),
     *bad(STEPS, 4, ["--layers", "3"], "--pp 4", "--layers 3"),
@@ -55,9 +56,9 @@ CASES = [
     *bad(STEPS, 1, ["--data", "/no/such/file"], "--data /no/such/file", "not a file"),
     *bad(STEPS, 1, ["--steps", "0"], "--steps 0", "at least 1"),
     *bad(LATER, 2, ["--batch-size", "6", "--microbatches", "4"], "--batch-size 6", "--microbatches 4"),
-    *bad([s for s in STEPS if s >= "step03"], 4, ["--pp", "2", "--dp", "2", "--batch-size", "6",
-                                                  "--microbatches", "1"], "--batch-size 6", "--dp 2"),
-    *bad([s for s in STEPS if s >= "step03"], 4, ["--pp", "3", "--dp", "2"], "--pp 3", "--dp 2", "world size 4"),
+    *bad(WITH_DP, 4, ["--pp", "2", "--dp", "2", "--batch-size", "6", "--microbatches", "2"],
+         "--batch-size 6", "--dp 2", "--microbatches 2"),
+    *bad(WITH_DP, 4, ["--pp", "3", "--dp", "2"], "--pp 3", "--dp 2", "world size 4"),
 ]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
