@@ -70,6 +70,7 @@ def forward_step(stage: Stage, mb: int, tokens, target, microbatches, timeline, 
         else:
             with meter.saving(mb):
                 out = run_stage(stage, x, target, microbatches)
+            meter.keep(mb, out)  # the stash holds the output until the backward
     if not stage.is_last:
         with timeline.span("send", mb, kind_of="activation"):
             dist.send(out.detach(), dst=stage.index + 1)
@@ -101,9 +102,10 @@ def gpipe_forward_backward(stage: Stage, inputs, targets, microbatches, timeline
     stash, loss = [], None
     for mb in range(microbatches):
         x, out = forward_step(stage, mb, mb_inputs[mb], mb_targets[mb], microbatches, timeline, meter)
-        stash.append((x, out))
         if stage.is_last:
             loss = out.detach() if loss is None else loss + out.detach()
+        # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
+        stash.append((x, None if stage.recompute else out))
     for mb, (x, out) in enumerate(stash):
         backward_step(stage, mb, x, out, mb_targets[mb], microbatches, timeline, meter)
         stash[mb] = None  # drop our references too, so the graph's memory can go

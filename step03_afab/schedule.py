@@ -21,10 +21,11 @@ def afab_forward_backward(stage, comm, mb_inputs, mb_targets, sync_gradients):
         x = mb_inputs[mb] if x is None else x
         out = stage.forward(mb, x, mb_targets[mb])
         comm.send_forward(out, mb)
-        inputs.append(x)
-        outputs.append(out)
         if stage.is_last:
             loss = out.detach() if loss is None else loss + out.detach()
+        inputs.append(x)
+        # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
+        outputs.append(None if stage.recompute else out)
     for mb in range(microbatches):
         out_grad = comm.recv_backward(mb)  # None on the last stage: its output is the loss
         comm.send_backward(stage.backward(mb, inputs[mb], outputs[mb], out_grad), mb)

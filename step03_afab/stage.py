@@ -34,7 +34,9 @@ class PipelineStage:
         with self.timeline.span("forward", mb):
             if not self.recompute:
                 with self.meter.saving(mb):
-                    return self._run(x, target)
+                    out = self._run(x, target)
+                self.meter.keep(mb, out)  # the schedule holds the output until the backward
+                return out
             self.meter.keep(mb, x)
             self.targets[mb] = target
             with torch.no_grad():
