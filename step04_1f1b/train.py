@@ -1,0 +1,157 @@
+"""Step 04 - one-forward-one-backward (1F1B): GPipe's bubble with activation memory bounded by p.
+
+    torchrun --nproc_per_node 4 step04_1f1b/train.py --microbatches 8 [--schedule afab] [--deallocate]
+
+Same engine as step 03; the schedule now starts each microbatch's backward as
+soon as the pipeline allows, so a stage holds at most p - stage microbatches of
+activations instead of all m. --p2p picks how a paired send and receive avoid
+deadlock; --deallocate frees sent outputs early.
+"""
+import json
+import sys
+import time
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from config import ConfigError, build_parser, check_config
+from data import get_batch, load_tokens
+from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, world_from_env
+from model import ModelConfig, Transformer, split_layers
+from data_parallel import average_gradients
+from memory import ActivationMeter
+from p2p import PipelineComm
+from process_groups import ProcessGroupManager, describe_rank
+from schedule import SCHEDULES, bubble_formula, peak_microbatches_in_flight
+from stage import PipelineStage
+from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+
+
+def parse_args(argv=None):
+    """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
+    args = build_parser().parse_args(argv)
+    rank, world, _ = world_from_env()
+    try:
+        return check_config(args, world, torch.cuda.is_available())
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
+
+
+def build(args, device):
+    """This rank's place in the grid, its stage of the model, optimizer, data, timeline and meters."""
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout)
+    layer_ids = split_layers(args.layers, args.pp)[pgm.stage]
+    model = Transformer(model_config(args), layer_ids, first=pgm.is_first, last=pgm.is_last,
+                        seed=args.seed).to(device)
+    # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
+    stage = PipelineStage(model, pgm.is_first, pgm.is_last, args.microbatches, args.recompute, args.deallocate,
+                          timeline, meter)
+    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)
+    comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
+    return SimpleNamespace(args=args, device=device, pgm=pgm, model=model, optimizer=optimizer, stage=stage,
+                           comm=comm, tokens=load_tokens(args.data), timeline=timeline, meter=meter)
+
+
+def replica_shard(run, batch):
+    """This data-parallel replica's rows of the global batch, split into microbatches."""
+    rows = run.args.batch_size // run.args.dp
+    shard = batch[run.pgm.dp_rank * rows : (run.pgm.dp_rank + 1) * rows].to(run.device)
+    return shard.chunk(run.args.microbatches)
+
+
+def share_loss(run, loss):
+    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    pgm = run.pgm
+    value = torch.zeros((), device=run.device) if loss is None else loss.float()
+    if pgm.is_last:
+        dist.all_reduce(value, group=pgm.dp_group)
+        value /= pgm.dp
+    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
+    return value.item()
+
+
+def compute_gradients(run, step: int) -> float:
+    """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
+    inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
+    run.optimizer.zero_grad(set_to_none=True)
+    schedule = SCHEDULES[run.args.schedule]
+    loss = schedule(run.stage, run.comm, replica_shard(run, inputs), replica_shard(run, targets),
+                    lambda: average_gradients(run.model, run.pgm, run.timeline))
+    return share_loss(run, loss)
+
+
+def train_step(run, step: int) -> dict:
+    """One optimizer step, timed from a barrier that all ranks leave together."""
+    reset_peak_memory(run.device)
+    run.meter.reset_peaks()
+    dist.barrier()
+    run.timeline.start_step(step)
+    start = time.perf_counter()
+    loss = compute_gradients(run, step)
+    run.optimizer.step()
+    dist.barrier()  # the step is over when the slowest rank is done
+    elapsed = time.perf_counter() - start
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
+                                   run.meter.peak_microbatches))
+    tokens = run.args.batch_size * run.args.seq_len
+    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed,
+                peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
+                peak_stored_microbatches=[p[2] for p in peaks])
+
+
+def memory_report(args, record):
+    """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
+    lines = [f"activation memory, {args.schedule} (formula: {'m' if args.schedule == 'afab' else 'min(p-stage, m)'})"]
+    for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
+        expected = peak_microbatches_in_flight(args.schedule, args.pp, rank // args.dp, args.microbatches)
+        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): peak {count} microbatches "
+                     f"(formula {expected}), {size / 2**20:.2f} MiB")
+    return lines
+
+
+def report(run, last_record):
+    """After training: memory and bubble per rank beside their formulas, and the trace file."""
+    events = gather_events(run.timeline)
+    if dist.get_rank() != 0:
+        return
+    print("\n".join(memory_report(run.args, last_record)))
+    text, value = bubble_formula(run.args.pp, run.args.microbatches)
+    label = partial(describe_rank, dp=run.args.dp)
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
+    if run.args.trace:
+        write_chrome_trace(events, run.args.trace, label)
+        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = init_distributed(args.device, args.timeout)
+    run = build(args, device)
+    log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
+    for step in range(args.steps):
+        record = train_step(run, step)
+        if dist.get_rank() == 0:
+            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
+                  f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
+            if log:
+                log.write(json.dumps(record) + "\n")
+    if log:
+        log.close()
+    report(run, record)
+    dist.barrier()  # gloo aborts a rank whose peers tear down while it still writes
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
