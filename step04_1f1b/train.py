@@ -112,7 +112,8 @@ def train_step(run, step: int) -> dict:
 
 def memory_report(args, record):
     """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    lines = [f"activation memory, {args.schedule} (formula: {'m' if args.schedule == 'afab' else 'min(p-stage, m)'})"]
+    formula = "m" if args.schedule == "afab" else "min(p-stage, m)"
+    lines = [f"activation memory, {args.schedule} (formula: {formula})"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
         expected = peak_microbatches_in_flight(args.schedule, args.pp, rank // args.dp, args.microbatches)
         lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): peak {count} microbatches "

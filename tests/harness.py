@@ -17,7 +17,12 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "worker.py"
-RTOL = 1e-5  # fp32: pipelining only reorders sums, so results agree to rounding
+RTOL = 1e-5  # fp32 losses and gradients: pipelining only reorders sums, so they agree to rounding
+# Weights after three AdamW steps. AdamW divides each gradient entry by its running RMS plus
+# eps = 1e-8, so for entries near zero it multiplies fp32 rounding differences by up to lr/eps;
+# seen here: up to 2e-5. Any real bug (a skipped update, a stale or misrouted gradient) moves
+# weights by more than 1e-3, and the gradients themselves are held to RTOL above.
+WEIGHT_RTOL = 1e-4
 
 
 class RunFailed(AssertionError):
@@ -106,10 +111,10 @@ def compare_case(case_dir: Path, world: int, label: str):
             if name not in got["grads"]:
                 errors.append(f"{where}: parameter {name} got no gradient")
                 continue
-            for what in ("grads", "weights"):
+            for what, tol in (("grads", RTOL), ("weights", WEIGHT_RTOL)):
                 err = rel_err(got[what][name], ref[what][name])
-                if err > RTOL:
-                    errors.append(f"{where}: {what[:-1]} of {name} has relative error {err:.2e} > {RTOL:.0e}")
+                if err > tol:
+                    errors.append(f"{where}: {what[:-1]} of {name} has relative error {err:.2e} > {tol:.0e}")
     missing = sorted(set(ref["grads"]) - seen)
     if missing:
         errors.append(f"{label}: no rank holds parameters {missing}")

@@ -138,7 +138,8 @@ def replay(step, pp, microbatches, schedule, ordering, virtual=1, send_first=Fal
     for stage in range(pp):
         log = []
         pgm = SimpleNamespace(pp=pp, dp=1, stage=stage, dp_rank=0, is_first=stage == 0, is_last=stage == pp - 1,
-                              prev_rank=stage - 1 if stage else None, next_rank=stage + 1 if stage < pp - 1 else None)
+                              prev_rank=stage - 1 if stage else None, next_rank=stage + 1 if stage < pp - 1 else None,
+                              prev_rank_ring=(stage - 1) % pp, next_rank_ring=(stage + 1) % pp)
         comm = recording_comm(step.p2p, pgm, log, send_first)
         comm.ordering = "ordered" if send_first else ordering
         step.run_schedule(schedule, comm, pgm, log, microbatches, virtual)
@@ -159,6 +160,7 @@ def check(step, pp, m, schedule, ordering, virtual=1):
 def load_step(step_dir):
     """The step's modules, and how to drive its schedules (steps with virtual stages take chunks)."""
     sys.path.insert(0, os.path.abspath(step_dir))
+    import config
     import p2p
     import schedule as sched
 
@@ -182,20 +184,31 @@ def load_step(step_dir):
         warmup = min((pp - stage - 1) * 2 + (virtual - 1) * pp, m * virtual)
         return warmup, min(warmup + 1, m * virtual)
 
-    return SimpleNamespace(p2p=p2p, sched=sched, run_schedule=run_schedule, expected=expected)
+    return SimpleNamespace(config=config, p2p=p2p, sched=sched, run_schedule=run_schedule, expected=expected)
+
+
+def allowed(step, name, pp, m, virtual, ordering):
+    """Whether the step's own rules (its config.check_config) accept this configuration."""
+    flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
+             "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering]
+    if virtual > 1:
+        flags += ["--virtual-stages", str(virtual)]
+    try:
+        step.config.check_config(step.config.build_parser().parse_args(flags), pp, False)
+        return True
+    except step.config.ConfigError:
+        return False
 
 
 def configurations(step):
-    """All (schedule, pp, m, v) the step's rules allow, up to MAX_PP, MAX_M, MAX_V."""
+    """All (schedule, pp, m, v, ordering) the step's rules allow, up to MAX_PP, MAX_M, MAX_V."""
     for name in step.sched.SCHEDULES:
         for pp in range(1, MAX_PP + 1):
             for m in range(1, MAX_M + 1):
-                if name == "interleaved":
-                    for v in range(2, MAX_V + 1):
-                        if m % pp == 0:
-                            yield name, pp, m, v
-                else:
-                    yield name, pp, m, 1
+                for virtual in range(2, MAX_V + 1) if name == "interleaved" else [1]:
+                    for ordering in step.p2p.ORDERINGS:
+                        if allowed(step, name, pp, m, virtual, ordering):
+                            yield name, pp, m, virtual, ordering
 
 
 def main(step_dir):
@@ -203,14 +216,14 @@ def main(step_dir):
     torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
     step = load_step(step_dir)
     start, problems, count = time.perf_counter(), [], 0
-    for name, pp, m, v in configurations(step):
-        for ordering in step.p2p.ORDERINGS:
-            problems += check(step, pp, m, name, ordering, v)
-            count += 1
+    for name, pp, m, v, ordering in configurations(step):
+        problems += check(step, pp, m, name, ordering, v)
+        count += 1
     broken_name = "interleaved" if "interleaved" in step.sched.SCHEDULES else "1f1b"
     broken = replay(step, 4, 8, broken_name, "ordered", 2 if broken_name == "interleaved" else 1, send_first=True)
     naive_problems = simulate([p2p_groups(log) for log in broken])
-    print(json.dumps(dict(configurations=count, seconds=time.perf_counter() - start, problems=problems[:50],
+    print(json.dumps(dict(configurations=count, seconds=time.perf_counter() - start, problem_count=len(problems),
+                          problems=problems[:50],
                           send_first_deadlocks=any("deadlock" in p for p in naive_problems))))
 
 

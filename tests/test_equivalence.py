@@ -33,6 +33,13 @@ CASES = [
     *[case("step04_1f1b", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", str(m), *extra)
       for m, extra in [(2, []), (4, ["--p2p", "ordered", "--deallocate"]), (4, ["--schedule", "afab"]),
                        (2, ["--recompute"])]],
+    *[case("step05_interleaved", pp, "--pp", str(pp), "--virtual-stages", str(v), "--layers", str(layers),
+           "--microbatches", str(m), *extra)
+      for pp, v, layers in [(2, 2, 5), (4, 2, 9), (2, 3, 7)] for m in (pp, 2 * pp)
+      for extra in ([], ["--deallocate"])],
+    *[case("step05_interleaved", 4, "--pp", "2", "--dp", "2", "--virtual-stages", "2", "--layers", "4",
+           "--microbatches", str(m), *extra) for m, extra in [(2, []), (4, ["--recompute"])]],
+    case("step05_interleaved", 4, "--pp", "4", "--layers", "5", "--microbatches", "4", "--virtual-stages", "1"),
 ]
 
 

@@ -22,21 +22,32 @@ def test_schedule_order_is_complete_and_deadlock_free(step, step_dirs):
     assert not report["problems"], "\n".join(report["problems"])
 
 
-def stored_microbatches(schedule: str, pp: int, stage: int, m: int) -> int:
-    """Peak microbatches of activations a stage holds: all m for AFAB, the pipeline depth below it for 1F1B."""
-    return m if schedule == "afab" else min(pp - stage, m)
+def stored_microbatches(schedule: str, pp: int, stage: int, m: int, v: int) -> int:
+    """Peak (virtual) microbatches of activations a stage holds: all m for AFAB, the pipeline depth
+    below it for 1F1B, the warm-up forwards plus one for interleaved 1F1B."""
+    if schedule == "afab":
+        return m
+    if schedule == "1f1b":
+        return min(pp - stage, m)
+    return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, v * m)
 
 
-@pytest.mark.parametrize("step", SCHEDULED)
-@pytest.mark.parametrize("schedule, pp, dp, m", [("afab", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2),
-                                                 ("1f1b", 2, 2, 4)])
-def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, step_dirs, tmp_path):
+MEMORY_CASES = [(step, "afab", 4, 1, 8, 1) for step in SCHEDULED] + [
+    (step, "1f1b", pp, dp, m, 1) for step in SCHEDULED for pp, dp, m in [(4, 1, 8), (4, 1, 2), (2, 2, 4)]] + [
+    (step, "interleaved", pp, dp, m, v) for step in SCHEDULED if step >= "step05"
+    for pp, dp, m, v in [(4, 1, 8, 2), (2, 2, 2, 2), (2, 1, 4, 3)]]
+
+
+@pytest.mark.parametrize("step, schedule, pp, dp, m, v", MEMORY_CASES)
+def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, step_dirs, tmp_path):
     log = tmp_path / "log.jsonl"
     flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
-             "--batch-size", str(dp * m), "--layers", "4", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+             "--batch-size", str(dp * m), "--layers", "8", "--hidden", "32", "--heads", "2", "--seq-len", "16",
              "--steps", "2", "--deallocate", "--log-json", str(log), "--timeout", "60"]
+    if v > 1:
+        flags += ["--virtual-stages", str(v)]
     launch([sys.executable, str(step_dirs[step] / "train.py"), *flags], pp * dp, tmp_path, timeout=120)
     record = json.loads(log.read_text().splitlines()[-1])
-    expected = [stored_microbatches(schedule, pp, rank // dp, m) for rank in range(pp * dp)]
+    expected = [stored_microbatches(schedule, pp, rank // dp, m, v) for rank in range(pp * dp)]
     assert record["peak_stored_microbatches"] == expected
     assert all(b > 0 for b in record["peak_activation_bytes"])

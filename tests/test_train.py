@@ -60,6 +60,14 @@ CASES = [
          "--batch-size 6", "--dp 2", "--microbatches 2"),
     *bad(WITH_DP, 4, ["--pp", "3", "--dp", "2"], "--pp 3", "--dp 2", "world size 4"),
 ]
+INTERLEAVED = [s for s in STEPS if s >= "step05"]
+CASES += [
+    *bad(INTERLEAVED, 4, ["--virtual-stages", "2", "--microbatches", "6", "--batch-size", "12"],
+         "--microbatches 6", "multiple of --pp 4", "interleaved"),
+    *bad(INTERLEAVED, 4, ["--virtual-stages", "3", "--layers", "8"], "--pp 4", "--virtual-stages 3", "--layers 8"),
+    *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--p2p", "ordered"], "--p2p ordered", "batched"),
+    *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--schedule", "afab"], "--virtual-stages 2", "--schedule afab"),
+]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
 

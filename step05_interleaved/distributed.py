@@ -1,0 +1,62 @@
+"""Start-up of one rank under torchrun: which device, which backend, and a timeout.
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK for every process it starts. A
+GPU run uses NCCL with one device per rank (its LOCAL_RANK); a CPU run uses
+gloo. The timeout turns a schedule bug (a receive nobody sends) into an error
+instead of a silent hang.
+"""
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def world_from_env():
+    """(rank, world_size, local_rank) as torchrun sets them; a plain `python` run is rank 0 of 1."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
+    """Join the process group; return this rank's device."""
+    rank, world, local_rank = world_from_env()
+    device = pick_device(device_choice, local_rank)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    return device
+
+
+def synchronize(device: torch.device):
+    """Wait for queued GPU work, so a clock reading means the work is done. No-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    synchronize(device)
+    return time.perf_counter()
+
+
+def peak_memory_bytes(device: torch.device):
+    """Peak allocated device memory since the last reset, or None where it is not tracked (CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak_memory(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,51 @@
+"""Where a rank sits in the (pipeline x data-parallel) grid, and the groups it talks in.
+
+Layout, as in Megatron-LM: rank = stage * dp + dp_rank. With pp=2, dp=2:
+
+    stage 0: ranks 0 1      <- a data-parallel group: same layers, different data
+    stage 1: ranks 2 3
+             |  |
+             pipelines: ranks (0, 2) and (1, 3), each a full copy of the model
+
+A rank sends activations to the same dp_rank of the next stage, and averages
+its gradients with the other ranks of its stage.
+"""
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class ProcessGroupManager:
+    def __init__(self, pp: int, dp: int, timeout_s: float):
+        rank = dist.get_rank()
+        self.pp, self.dp = pp, dp
+        self.stage, self.dp_rank = divmod(rank, dp)
+        timeout = timedelta(seconds=timeout_s)
+        # new_group is collective: every rank creates every group, in the same order.
+        for d in range(dp):
+            group = dist.new_group([s * dp + d for s in range(pp)], timeout=timeout)
+            if d == self.dp_rank:
+                self.pp_group = group
+        for s in range(pp):
+            group = dist.new_group([s * dp + d for d in range(dp)], timeout=timeout)
+            if s == self.stage:
+                self.dp_group = group
+        self.prev_rank = rank - dp if self.stage > 0 else None
+        self.next_rank = rank + dp if self.stage < pp - 1 else None
+        self.last_stage_rank = (pp - 1) * dp + self.dp_rank
+        # Virtual stages go round the pipeline more than once: the last stage feeds the first.
+        self.next_rank_ring = ((self.stage + 1) % pp) * dp + self.dp_rank
+        self.prev_rank_ring = ((self.stage - 1) % pp) * dp + self.dp_rank
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+
+def describe_rank(rank: int, dp: int) -> str:
+    stage, dp_rank = divmod(rank, dp)
+    return f"stage {stage}, dp {dp_rank}"

@@ -1,0 +1,100 @@
+"""Record what each rank did and when, and turn it into a trace and a bubble measurement.
+
+Each rank appends one event per forward, backward, recompute, send and receive
+(a receive's length is mostly time spent waiting for the peer):
+(kind, microbatch, step, start, end) in seconds. Clocks are read right after a
+barrier at the start of every optimizer step, so all ranks share a time origin
+per step to within the barrier's exit skew. On CUDA the clock is read after a
+device synchronize, so an event's length is the time its kernels really took.
+
+The bubble of a rank is the fraction of the step's pipeline window in which it
+did no compute: 1 - (forward + backward + recompute time) / window, where the window runs
+from the shared step start to the end of the last compute event on any rank.
+"""
+import json
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from distributed import now
+
+COMPUTE = ("forward", "backward", "recompute")
+
+
+class Timeline:
+    def __init__(self, rank: int, device):
+        self.rank, self.device = rank, device
+        self.events = []
+        self.step = 0
+        self.step_origin = 0.0
+
+    def start_step(self, step: int):
+        """Call on every rank right after a barrier: the shared origin of this step's times."""
+        self.step = step
+        self.step_origin = now(self.device)
+
+    @contextmanager
+    def span(self, kind: str, microbatch=None, **info):
+        start = now(self.device)
+        yield
+        end = now(self.device)
+        self.events.append(dict(kind=kind, microbatch=microbatch, step=self.step, rank=self.rank,
+                                start=start - self.step_origin, end=end - self.step_origin, **info))
+
+
+def gather_events(timeline: Timeline):
+    """Every rank's events, on every rank (a collective: all ranks must call it)."""
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, timeline.events)
+    return [e for events in per_rank for e in events]
+
+
+def busy_fractions(events, world_size: int, steps):
+    """Mean over `steps` of each rank's compute time / pipeline window."""
+    fractions = [0.0] * world_size
+    for step in steps:
+        step_events = [e for e in events if e["step"] == step and e["kind"] in COMPUTE]
+        window = max(e["end"] for e in step_events)
+        for r in range(world_size):
+            busy = sum(e["end"] - e["start"] for e in step_events if e["rank"] == r)
+            fractions[r] += busy / window / len(steps)
+    return fractions
+
+
+def measured_steps(events):
+    """Steps used for the bubble: all but the first (it pays one-off start-up costs) when possible."""
+    steps = sorted({e["step"] for e in events})
+    return steps[1:] if len(steps) > 1 else steps
+
+
+def bubble_report(events, world_size: int, formula_text: str, formula_value: float, describe_rank):
+    """Lines that put each rank's measured bubble beside the schedule's formula."""
+    steps = measured_steps(events)
+    busy = busy_fractions(events, world_size, steps)
+    lines = [f"bubble, measured over steps {steps[0]}..{steps[-1]} vs formula {formula_text} = {formula_value:.3f}"]
+    for r, b in enumerate(busy):
+        lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}")
+    return lines
+
+
+def write_chrome_trace(events, path: str, describe_rank):
+    """One row per rank; opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+    Steps are laid end to end: each step's events are offset by the end of the previous step.
+    """
+    trace, offset = [], 0.0
+    for step in sorted({e["step"] for e in events}):
+        step_events = [e for e in events if e["step"] == step]
+        for e in step_events:
+            mb = "" if e["microbatch"] is None else e["microbatch"]
+            chunk = f" chunk {e['chunk']}" if "chunk" in e else ""  # virtual stage, step 05 on
+            name = f"{e['kind']} {mb}{chunk}".strip()
+            trace.append(dict(name=name, cat=e["kind"], ph="X", pid=0, tid=e["rank"],
+                              ts=(offset + e["start"]) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
+                              args=dict(step=step, microbatch=e["microbatch"], chunk=e.get("chunk"))))
+        offset += max(e["end"] for e in step_events)
+    ranks = sorted({e["rank"] for e in events})
+    trace += [dict(name="thread_name", ph="M", pid=0, tid=r, args=dict(name=f"rank {r} ({describe_rank(r)})"))
+              for r in ranks]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

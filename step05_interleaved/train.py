@@ -1,0 +1,164 @@
+"""Step 05 - interleaved 1F1B: v model chunks per rank shrink the bubble v times.
+
+    torchrun --nproc_per_node 4 step05_interleaved/train.py --virtual-stages 2
+
+The model is cut into pp * v chunks; rank r holds chunks r, r + pp, r + 2 pp, ...
+Each microbatch goes round the ring of ranks v times, and the interleaved
+schedule keeps every rank busy with a different chunk while the pipeline fills.
+--virtual-stages 1 runs step 04's schedules (1f1b or afab) on the same code.
+"""
+import json
+import sys
+import time
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from config import ConfigError, build_parser, check_config
+from data import get_batch, load_tokens
+from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, world_from_env
+from model import ModelConfig, Transformer, split_layers
+from data_parallel import average_gradients
+from memory import ActivationMeter
+from p2p import PipelineComm
+from process_groups import ProcessGroupManager, describe_rank
+from schedule import SCHEDULES, bubble_formula, peak_microbatches_in_flight
+from stage import PipelineStage, VirtualStages
+from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+
+
+def parse_args(argv=None):
+    """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
+    args = build_parser().parse_args(argv)
+    rank, world, _ = world_from_env()
+    try:
+        return check_config(args, world, torch.cuda.is_available())
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
+
+
+def build(args, device):
+    """This rank's place in the grid, its model chunks (virtual stages), optimizer, data, timeline and meters."""
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout)
+    n_chunks = args.pp * args.virtual_stages
+    layers_of_chunk = split_layers(args.layers, n_chunks)
+    my_chunks = [c * args.pp + pgm.stage for c in range(args.virtual_stages)]  # global chunk indices
+    model = VirtualStages([Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
+                                       seed=args.seed) for g in my_chunks]).to(device)
+    # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
+    stages = [PipelineStage(chunk, g == 0, g == n_chunks - 1, args.microbatches, args.recompute, args.deallocate,
+                            timeline, meter, chunk=c) for c, (g, chunk) in enumerate(zip(my_chunks, model))]
+    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)
+    comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
+    return SimpleNamespace(args=args, device=device, pgm=pgm, model=model, optimizer=optimizer, stages=stages,
+                           comm=comm, tokens=load_tokens(args.data), timeline=timeline, meter=meter)
+
+
+def replica_shard(run, batch):
+    """This data-parallel replica's rows of the global batch, split into microbatches."""
+    rows = run.args.batch_size // run.args.dp
+    shard = batch[run.pgm.dp_rank * rows : (run.pgm.dp_rank + 1) * rows].to(run.device)
+    return shard.chunk(run.args.microbatches)
+
+
+def share_loss(run, loss):
+    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    pgm = run.pgm
+    value = torch.zeros((), device=run.device) if loss is None else loss.float()
+    if pgm.is_last:
+        dist.all_reduce(value, group=pgm.dp_group)
+        value /= pgm.dp
+    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
+    return value.item()
+
+
+def compute_gradients(run, step: int) -> float:
+    """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
+    inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
+    run.optimizer.zero_grad(set_to_none=True)
+    schedule = SCHEDULES[run.args.schedule]
+    # The interleaved schedule drives all of this rank's chunks; afab and 1f1b the only one.
+    stages = run.stages if run.args.schedule == "interleaved" else run.stages[0]
+    loss = schedule(stages, run.comm, replica_shard(run, inputs), replica_shard(run, targets),
+                    lambda: average_gradients(run.model, run.pgm, run.timeline))
+    return share_loss(run, loss)
+
+
+def train_step(run, step: int) -> dict:
+    """One optimizer step, timed from a barrier that all ranks leave together."""
+    reset_peak_memory(run.device)
+    run.meter.reset_peaks()
+    dist.barrier()
+    run.timeline.start_step(step)
+    start = time.perf_counter()
+    loss = compute_gradients(run, step)
+    run.optimizer.step()
+    dist.barrier()  # the step is over when the slowest rank is done
+    elapsed = time.perf_counter() - start
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
+                                   run.meter.peak_microbatches))
+    tokens = run.args.batch_size * run.args.seq_len
+    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed,
+                peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
+                peak_stored_microbatches=[p[2] for p in peaks])
+
+
+def memory_report(args, record):
+    """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
+    formula = {"afab": "m", "1f1b": "min(p-stage, m)",
+               "interleaved": "min(2(p-stage-1) + (v-1)p + 1, v*m), counting (chunk, microbatch) pairs"}
+    lines = [f"activation memory, {args.schedule} (formula: {formula[args.schedule]})"]
+    for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
+        expected = peak_microbatches_in_flight(args.schedule, args.pp, rank // args.dp, args.microbatches,
+                                               args.virtual_stages)
+        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): peak {count} microbatches "
+                     f"(formula {expected}), {size / 2**20:.2f} MiB")
+    return lines
+
+
+def report(run, last_record):
+    """After training: memory and bubble per rank beside their formulas, and the trace file."""
+    events = gather_events(run.timeline)
+    if dist.get_rank() != 0:
+        return
+    print("\n".join(memory_report(run.args, last_record)))
+    text, value = bubble_formula(run.args.pp, run.args.microbatches, run.args.virtual_stages)
+    label = partial(describe_rank, dp=run.args.dp)
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
+    if run.args.trace:
+        write_chrome_trace(events, run.args.trace, label)
+        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = init_distributed(args.device, args.timeout)
+    run = build(args, device)
+    log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
+    for step in range(args.steps):
+        record = train_step(run, step)
+        if dist.get_rank() == 0:
+            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
+                  f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
+            if log:
+                log.write(json.dumps(record) + "\n")
+    if log:
+        log.close()
+    report(run, record)
+    dist.barrier()  # gloo aborts a rank whose peers tear down while it still writes
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
