@@ -71,7 +71,8 @@ def bubble_report(events, world_size: int, formula_text: str, formula_value: flo
     """Lines that put each rank's measured bubble beside the schedule's formula."""
     steps = measured_steps(events)
     busy = busy_fractions(events, world_size, steps)
-    lines = [f"bubble, measured over steps {steps[0]}..{steps[-1]} vs formula {formula_text} = {formula_value:.3f}"]
+    lines = [f"bubble, measured over steps {steps[0]}..{steps[-1]} "
+             f"vs formula {formula_text} = {formula_value:.3f}"]
     for r, b in enumerate(busy):
         lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}")
     return lines

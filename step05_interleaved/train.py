@@ -51,8 +51,9 @@ def build(args, device):
     n_chunks = args.pp * args.virtual_stages
     layers_of_chunk = split_layers(args.layers, n_chunks)
     my_chunks = [c * args.pp + pgm.stage for c in range(args.virtual_stages)]  # global chunk indices
-    model = VirtualStages([Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
-                                       seed=args.seed) for g in my_chunks]).to(device)
+    chunks = [Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
+                          seed=args.seed) for g in my_chunks]
+    model = VirtualStages(chunks).to(device)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)

@@ -85,7 +85,7 @@ def simulate(groups_per_rank):
                 if match is None:
                     continue
                 if (match[2], match[3]) != (what, mb):
-                    problems.append(f"rank {r} {direction} {what} {mb} met rank {peer} {want} {match[2]} {match[3]}")
+                    problems.append(f"rank {r} {direction} {what} {mb} met rank {peer} {want} {match[2:]}")
                 ops.remove(op)
                 pending[peer].remove(match)
                 progress = True
@@ -138,7 +138,8 @@ def replay(step, pp, microbatches, schedule, ordering, virtual=1, send_first=Fal
     for stage in range(pp):
         log = []
         pgm = SimpleNamespace(pp=pp, dp=1, stage=stage, dp_rank=0, is_first=stage == 0, is_last=stage == pp - 1,
-                              prev_rank=stage - 1 if stage else None, next_rank=stage + 1 if stage < pp - 1 else None,
+                              prev_rank=stage - 1 if stage > 0 else None,
+                              next_rank=stage + 1 if stage < pp - 1 else None,
                               prev_rank_ring=(stage - 1) % pp, next_rank_ring=(stage + 1) % pp)
         comm = recording_comm(step.p2p, pgm, log, send_first)
         comm.ordering = "ordered" if send_first else ordering
