@@ -185,7 +185,8 @@ def load_step(step_dir):
         warmup = min((pp - stage - 1) * 2 + (virtual - 1) * pp, m * virtual)
         return warmup, min(warmup + 1, m * virtual)
 
-    return SimpleNamespace(config=config, p2p=p2p, sched=sched, run_schedule=run_schedule, expected=expected)
+    return SimpleNamespace(config=config, parser=config.build_parser(), p2p=p2p, sched=sched,
+                           run_schedule=run_schedule, expected=expected)
 
 
 def allowed(step, name, pp, m, virtual, ordering):
@@ -195,7 +196,7 @@ def allowed(step, name, pp, m, virtual, ordering):
     if virtual > 1:
         flags += ["--virtual-stages", str(virtual)]
     try:
-        step.config.check_config(step.config.build_parser().parse_args(flags), pp, False)
+        step.config.check_config(step.parser.parse_args(flags), pp, False)
         return True
     except step.config.ConfigError:
         return False

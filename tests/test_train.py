@@ -21,14 +21,34 @@ def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def read_log(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def four_stage_run(step_dirs, tmp_path_factory):
+    """run(step) -> (finished process, log path, trace path) of a default 4-rank run, made once per step."""
+    cache = {}
+
+    def run(step):
+        if step not in cache:
+            out = tmp_path_factory.mktemp(step)
+            log, trace = out / "log.jsonl", out / "trace.json"
+            done = torchrun(step_dirs[step], 4, "--steps", str(SMOKE_STEPS), "--log-json", str(log),
+                            "--trace", str(trace))
+            cache[step] = done, log, trace
+        return cache[step]
+
+    return run
+
+
 @pytest.mark.parametrize("step", STEPS)
-def test_default_run_learns_and_writes_log_and_trace(step, step_dirs, tmp_path):
-    log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
-    done = torchrun(step_dirs[step], 4, "--steps", str(SMOKE_STEPS), "--log-json", str(log), "--trace", str(trace))
+def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
+    done, log, trace = four_stage_run(step)
     assert done.returncode == 0, tail(done.stdout + done.stderr, 40)
     assert "bubble" in done.stdout and "formula" in done.stdout
 
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = read_log(log)
     assert [r["step"] for r in records] == list(range(SMOKE_STEPS))
     for r in records:
         assert {"loss", "step_time_s", "tokens_per_s", "peak_mem_bytes"} <= r.keys()
@@ -40,6 +60,17 @@ def test_default_run_learns_and_writes_log_and_trace(step, step_dirs, tmp_path):
         kinds = [e["cat"] for e in events if e.get("tid") == rank and e["ph"] == "X"]
         assert kinds.count("forward") >= SMOKE_STEPS and kinds.count("backward") >= SMOKE_STEPS, (rank, kinds)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_one_process_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
+    """The default model and data on one process (--pp 1) and on four stages: the same loss trajectory."""
+    done, pipelined_log, _ = four_stage_run(step)
+    assert done.returncode == 0, tail(done.stdout + done.stderr, 40)
+    single = torchrun(step_dirs[step], 1, "--steps", str(SMOKE_STEPS), "--log-json", str(tmp_path / "log.jsonl"))
+    assert single.returncode == 0, tail(single.stdout + single.stderr, 40)
+    losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
+    assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
 
 
 def bad(steps, world, flags, *expected):
