@@ -26,6 +26,8 @@ def stdlib_text(limit: int = DEFAULT_CORPUS_BYTES) -> bytes:
         size += len(chunk)
         if size >= limit:
             break
+    if not chunks:
+        raise FileNotFoundError(f"no .py source files in {stdlib}: pass --data PATH to train on a text file")
     return b"".join(chunks)[:limit]
 
 
