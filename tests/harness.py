@@ -73,13 +73,14 @@ def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
 
 
 def failure_message(out: Path, texts, failed, stalled, timeout) -> str:
-    lines = []
-    for rank in failed:
-        lines.append(f"rank {rank} exited with an error; last output:\n{tail(texts[rank])}")
-    for rank in stalled:
+    def last_status(rank):
         where = out / f"rank{rank}.status"
-        last = where.read_text() if where.exists() else "(no status written)"
-        lines.append(f"rank {rank} stalled for {timeout:.0f} s at: {last}; last output:\n{tail(texts[rank])}")
+        return where.read_text() if where.exists() else "(no status written)"
+
+    lines = [f"rank {rank} exited with an error at: {last_status(rank)}; last output:\n{tail(texts[rank])}"
+             for rank in failed]
+    lines += [f"rank {rank} stalled for {timeout:.0f} s at: {last_status(rank)}; last output:\n{tail(texts[rank])}"
+              for rank in stalled]
     return "\n".join(lines)
 
 
