@@ -48,8 +48,9 @@ def synchronize(device: torch.device):
 
 
 def now(device: torch.device) -> float:
+    """Wall-clock seconds once the device's queued work is done: comparable across ranks of a machine."""
     synchronize(device)
-    return time.perf_counter()
+    return time.time()
 
 
 def peak_memory_bytes(device: torch.device):

@@ -2,14 +2,15 @@
 
 Each rank appends one event per forward, backward, recompute, send and receive
 (a receive's length is mostly time spent waiting for the peer):
-(kind, microbatch, step, start, end) in seconds. Clocks are read right after a
-barrier at the start of every optimizer step, so all ranks share a time origin
-per step to within the barrier's exit skew. On CUDA the clock is read after a
-device synchronize, so an event's length is the time its kernels really took.
+(kind, microbatch, step, start, end) in seconds of wall-clock time, a clock that
+all processes of a machine share (and that NTP keeps close across machines), so
+events of different ranks lie on one time axis. A step starts at its earliest
+event on any rank. On CUDA the clock is read after a device synchronize, so an
+event's length is the time its kernels really took.
 
 The bubble of a rank is the fraction of the step's pipeline window in which it
 did no compute: 1 - (forward + backward + recompute time) / window, where the window runs
-from the shared step start to the end of the last compute event on any rank.
+from the step's start to the end of the last compute event on any rank.
 """
 import json
 from contextlib import contextmanager
@@ -26,12 +27,10 @@ class Timeline:
         self.rank, self.device = rank, device
         self.events = []
         self.step = 0
-        self.step_origin = 0.0
 
     def start_step(self, step: int):
-        """Call on every rank right after a barrier: the shared origin of this step's times."""
+        """Events from now on belong to optimizer step `step`."""
         self.step = step
-        self.step_origin = now(self.device)
 
     @contextmanager
     def span(self, kind: str, microbatch=None, **info):
@@ -39,7 +38,7 @@ class Timeline:
         yield
         end = now(self.device)
         self.events.append(dict(kind=kind, microbatch=microbatch, step=self.step, rank=self.rank,
-                                start=start - self.step_origin, end=end - self.step_origin, **info))
+                                start=start, end=end, **info))
 
 
 def gather_events(timeline: Timeline):
@@ -49,12 +48,17 @@ def gather_events(timeline: Timeline):
     return [e for events in per_rank for e in events]
 
 
+def step_start(events, step: int) -> float:
+    """When a step began: its earliest event on any rank."""
+    return min(e["start"] for e in events if e["step"] == step)
+
+
 def busy_fractions(events, world_size: int, steps):
     """Mean over `steps` of each rank's compute time / pipeline window."""
     fractions = [0.0] * world_size
     for step in steps:
         step_events = [e for e in events if e["step"] == step and e["kind"] in COMPUTE]
-        window = max(e["end"] for e in step_events)
+        window = max(e["end"] for e in step_events) - step_start(events, step)
         for r in range(world_size):
             busy = sum(e["end"] - e["start"] for e in step_events if e["rank"] == r)
             fractions[r] += busy / window / len(steps)
@@ -81,18 +85,19 @@ def bubble_report(events, world_size: int, formula_text: str, formula_value: flo
 def write_chrome_trace(events, path: str, describe_rank):
     """One row per rank; opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-    Steps are laid end to end: each step's events are offset by the end of the previous step.
+    Steps are laid end to end: each step starts where the previous one ended.
     """
     trace, offset = [], 0.0
     for step in sorted({e["step"] for e in events}):
         step_events = [e for e in events if e["step"] == step]
+        origin = step_start(events, step)
         for e in step_events:
             mb = "" if e["microbatch"] is None else e["microbatch"]
             name = f"{e['kind']} {mb}".strip()
             trace.append(dict(name=name, cat=e["kind"], ph="X", pid=0, tid=e["rank"],
-                              ts=(offset + e["start"]) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
+                              ts=(offset + e["start"] - origin) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
                               args=dict(step=step, microbatch=e["microbatch"])))
-        offset += max(e["end"] for e in step_events)
+        offset += max(e["end"] for e in step_events) - origin
     ranks = sorted({e["rank"] for e in events})
     trace += [dict(name="thread_name", ph="M", pid=0, tid=r, args=dict(name=f"rank {r} ({describe_rank(r)})"))
               for r in ranks]
