@@ -40,10 +40,11 @@ MEMORY_CASES = [(step, "afab", 4, 1, 8, 1) for step in SCHEDULED] + [
 
 @pytest.mark.parametrize("step, schedule, pp, dp, m, v", MEMORY_CASES)
 def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, step_dirs, tmp_path):
-    log = tmp_path / "log.jsonl"
+    """And with dp > 1: each rank all-reduces its gradients once per step, after its last backward."""
+    log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
     flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
              "--batch-size", str(dp * m), "--layers", "8", "--hidden", "32", "--heads", "2", "--seq-len", "16",
-             "--steps", "2", "--deallocate", "--log-json", str(log), "--timeout", "60"]
+             "--steps", "2", "--deallocate", "--log-json", str(log), "--trace", str(trace), "--timeout", "60"]
     if v > 1:
         flags += ["--virtual-stages", str(v)]
     launch([sys.executable, str(step_dirs[step] / "train.py"), *flags], pp * dp, tmp_path, timeout=120)
@@ -51,3 +52,11 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
     expected = [stored_microbatches(schedule, pp, rank // dp, m, v) for rank in range(pp * dp)]
     assert record["peak_stored_microbatches"] == expected
     assert all(b > 0 for b in record["peak_activation_bytes"])
+    if dp > 1:
+        boxes = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+        for rank in range(pp * dp):
+            for step in range(2):
+                mine = [e for e in boxes if e["tid"] == rank and e["args"]["step"] == step]
+                syncs = [e for e in mine if e["cat"] == "allreduce"]
+                last_backward = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "backward")
+                assert len(syncs) == 1 and syncs[0]["ts"] >= last_backward, (rank, step, syncs)
