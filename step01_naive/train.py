@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from config import ConfigError, build_parser, check_config
 from data import get_batch, load_tokens
-from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, world_from_env
+from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, shutdown, world_from_env
 from model import ModelConfig, Transformer, split_layers
 from pipeline import bubble_formula, forward_backward
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
@@ -115,8 +115,7 @@ def main(argv=None):
     if log:
         log.close()
     report(run)
-    dist.barrier()  # gloo aborts a rank whose peers tear down while it still writes
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

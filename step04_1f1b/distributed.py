@@ -6,6 +6,7 @@ gloo. The timeout turns a schedule bug (a receive nobody sends) into an error
 instead of a silent hang.
 """
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -61,3 +62,18 @@ def peak_memory_bytes(device: torch.device):
 def reset_peak_memory(device: torch.device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def shutdown():
+    """Leave the process group together and end the process.
+
+    The barrier means no peer still needs this rank. Even after destroy_process_group, gloo may keep
+    background threads whose C++ destructors, run in the interpreter's final teardown, now and then
+    abort a finished process ("terminate called without an active exception"). All output is
+    written by now, so flush it and exit without that teardown.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from config import ConfigError, build_parser, check_config
 from data import get_batch, load_tokens
-from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, world_from_env
+from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, shutdown, world_from_env
 from model import ModelConfig, Transformer, split_layers
 from data_parallel import average_gradients
 from memory import ActivationMeter
@@ -157,8 +157,7 @@ def main(argv=None):
     if log:
         log.close()
     report(run, record)
-    dist.barrier()  # gloo aborts a rank whose peers tear down while it still writes
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

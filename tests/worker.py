@@ -92,7 +92,7 @@ def main(step_dir: str, out_dir: str, cases_json: str):
             reference(args, out_case)
         dist.barrier()
     status(out, rank, "done")
-    dist.destroy_process_group()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":
