@@ -8,6 +8,7 @@ instead of a silent hang.
 import os
 import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -62,6 +63,24 @@ def peak_memory_bytes(device: torch.device):
 def reset_peak_memory(device: torch.device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+class PeerTimeout(RuntimeError):
+    """A peer did not answer within --timeout; the message says who waited for what."""
+
+
+@contextmanager
+def one_line_errors(timeout_s: float):
+    """A stalled peer ends this rank with one line on stderr and exit code 1, not a page of C++ frames."""
+    try:
+        yield
+    except RuntimeError as err:  # gloo and NCCL report an expired timeout as a RuntimeError
+        if not isinstance(err, PeerTimeout) and "timed out" not in str(err).lower():
+            raise
+        message = str(err) if isinstance(err, PeerTimeout) else (
+            f"rank {dist.get_rank()} timed out in a blocking send, receive or collective: a peer stalled or died")
+        print(f"error: {message} (--timeout {timeout_s:g} s)", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: it would wait on the stalled peer again
 
 
 def shutdown():

@@ -4,65 +4,101 @@ Stage s waits in `dist.recv` until stage s-1 has finished its forward; on the
 way back, stage s waits until stage s+1 has finished its backward. At any
 moment exactly one rank computes and the other p-1 wait, so each rank idles
 for (p-1)/p of the step. Steps 02-05 exist to shrink that idle time.
+
+Every schedule of this course is made of four verbs (Megatron-LM's names):
+
+    recv_forward   receive the input activation from the previous stage
+    send_forward   send the output activation to the next stage
+    recv_backward  receive d(loss)/d(output) from the next stage
+    send_backward  send d(loss)/d(input) to the previous stage
+
+Here they are four small functions over blocking `dist.send` / `dist.recv`;
+step 03 moves them into a class, PipelineComm, on non-blocking operations.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from model import lm_loss
+from timeline import Timeline
 
 
-def bubble_formula(pp: int):
-    """Idle fraction of a rank when one batch visits p stages in turn."""
-    return "(p-1)/p", (pp - 1) / pp
+def bubble_formula(args):
+    """(text, value): idle fraction of a rank when one batch visits p stages in turn."""
+    return "(p-1)/p", (args.pp - 1) / args.pp
 
 
-def activation_shape(args, batch_rows: int):
-    """Shape of the hidden states passed between stages; both sides know it in advance."""
-    return (batch_rows, args.seq_len, args.hidden)
+@dataclass
+class Stage:
+    """This rank's place in the pipeline and what it needs to run a batch."""
+    model: torch.nn.Module
+    index: int
+    count: int
+    shape: tuple  # hidden states exchanged between stages: [batch, seq_len, hidden]
+    device: torch.device
+    timeline: Timeline
+
+    @property
+    def is_first(self):
+        return self.index == 0
+
+    @property
+    def is_last(self):
+        return self.index == self.count - 1
 
 
-def forward_pass(model, stage, n_stages, inputs, targets, shape, device, timeline):
+def recv_forward(stage: Stage):
+    x = torch.empty(stage.shape, device=stage.device)
+    with stage.timeline.span("recv", what="recv activation"):
+        dist.recv(x, src=stage.index - 1)  # blocks until stage-1 has finished its forward
+    return x
+
+
+def send_forward(stage: Stage, out):
+    with stage.timeline.span("send", what="send activation"):
+        dist.send(out.detach(), dst=stage.index + 1)
+
+
+def recv_backward(stage: Stage):
+    grad = torch.empty(stage.shape, device=stage.device)
+    with stage.timeline.span("recv", what="recv gradient"):
+        dist.recv(grad, src=stage.index + 1)  # blocks until stage+1 has finished its backward
+    return grad
+
+
+def send_backward(stage: Stage, input_grad):
+    with stage.timeline.span("send", what="send gradient"):
+        dist.send(input_grad, dst=stage.index - 1)
+
+
+def forward_step(stage: Stage, tokens, targets):
     """Receive the input (or read tokens), run this stage, send the output on.
 
     Returns (stage input, stage output): the input is kept for its gradient,
     the output for the backward. On the last stage the output is the loss.
     """
-    if stage == 0:
-        x = inputs
-    else:
-        x = torch.empty(shape, device=device)
-        with timeline.span("recv", kind_of="activation"):
-            dist.recv(x, src=stage - 1)  # blocks until stage-1 has finished its forward
-        x.requires_grad_()
-    with timeline.span("forward"):
-        out = model(x)
-        if stage == n_stages - 1:
+    x = tokens if stage.is_first else recv_forward(stage).requires_grad_()
+    with stage.timeline.span("forward"):
+        out = stage.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] logits
+        if stage.is_last:
             out = lm_loss(out, targets)
-    if stage < n_stages - 1:
-        with timeline.span("send", kind_of="activation"):
-            dist.send(out.detach(), dst=stage + 1)
+    if not stage.is_last:
+        send_forward(stage, out)
     return x, out
 
 
-def backward_pass(stage, n_stages, x, out, device, timeline):
+def backward_step(stage: Stage, x, out):
     """Receive d(loss)/d(output) from the next stage, backpropagate, send d(loss)/d(input) back."""
-    if stage == n_stages - 1:
-        with timeline.span("backward"):
-            out.backward()
-    else:
-        grad = torch.empty_like(out)
-        with timeline.span("recv", kind_of="gradient"):
-            dist.recv(grad, src=stage + 1)  # blocks until stage+1 has finished its backward
-        with timeline.span("backward"):
-            out.backward(grad)
-    if stage > 0:
-        with timeline.span("send", kind_of="gradient"):
-            dist.send(x.grad, dst=stage - 1)
+    out_grad = None if stage.is_last else recv_backward(stage)  # the last stage starts from its loss
+    with stage.timeline.span("backward"):
+        torch.autograd.backward(out, out_grad)
+    if not stage.is_first:
+        send_backward(stage, x.grad)
 
 
-def forward_backward(model, stage, n_stages, inputs, targets, args, device, timeline):
+def naive_forward_backward(stage: Stage, inputs, targets):
     """One batch forward through all stages and backward again; returns the loss on the last stage."""
-    shape = activation_shape(args, args.batch_size)
-    x, out = forward_pass(model, stage, n_stages, inputs, targets, shape, device, timeline)
-    backward_pass(stage, n_stages, x, out, device, timeline)
-    return out.detach() if stage == n_stages - 1 else None
+    x, out = forward_step(stage, inputs, targets)
+    backward_step(stage, x, out)
+    return out.detach() if stage.is_last else None

@@ -7,31 +7,23 @@ optimizer step sends the whole batch forward through the stages and the
 gradients back, then every rank updates its own parameters.
 """
 import json
-import sys
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, build_parser, check_config
+from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, shutdown, world_from_env
+from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
-from pipeline import bubble_formula, forward_backward
+from pipeline import Stage, bubble_formula, naive_forward_backward
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
     """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
-    args = build_parser().parse_args(argv)
-    rank, world, _ = world_from_env()
-    try:
-        return check_config(args, world, torch.cuda.is_available())
-    except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    return parse_flags(argv, __doc__)
 
 
 def model_config(args) -> ModelConfig:
@@ -42,16 +34,29 @@ def describe_rank(rank: int) -> str:
     return f"stage {rank}"
 
 
-def build(args, device):
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+    args: object
+    device: torch.device
+    model: torch.nn.Module  # this rank's stage, parameters named as in the whole model
+    optimizer: torch.optim.Optimizer
+    stage: Stage
+    tokens: torch.Tensor
+    timeline: Timeline
+
+
+def build(args, device) -> Run:
     """This rank's stage of the model, its optimizer, the data and a timeline."""
-    stage = dist.get_rank()
-    layer_ids = split_layers(args.layers, args.pp)[stage]
-    model = Transformer(model_config(args), layer_ids, first=stage == 0, last=stage == args.pp - 1,
+    index = dist.get_rank()
+    layer_ids = split_layers(args.layers, args.pp)[index]
+    model = Transformer(model_config(args), layer_ids, first=index == 0, last=index == args.pp - 1,
                         seed=args.seed).to(device)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    return SimpleNamespace(args=args, device=device, stage=stage, model=model, optimizer=optimizer,
-                           tokens=load_tokens(args.data), timeline=Timeline(stage, device))
+    timeline = Timeline(index, device)
+    stage = Stage(model, index, args.pp, (args.batch_size, args.seq_len, args.hidden), device, timeline)
+    return Run(args, device, model, optimizer, stage, load_tokens(args.data), timeline)
 
 
 def share_loss(run, loss):
@@ -66,8 +71,7 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = (t.to(run.device) for t in get_batch(
         run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed))
     run.optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(run.model, run.stage, run.args.pp, inputs, targets, run.args,
-                            run.device, run.timeline)
+    loss = naive_forward_backward(run.stage, inputs, targets)
     return share_loss(run, loss)
 
 
@@ -93,15 +97,14 @@ def report(run):
     events = gather_events(run.timeline)
     if dist.get_rank() != 0:
         return
-    text, value = bubble_formula(run.args.pp)
+    text, value = bubble_formula(run.args)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, describe_rank)))
     if run.args.trace:
         write_chrome_trace(events, run.args.trace, describe_rank)
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
@@ -115,6 +118,12 @@ def main(argv=None):
     if log:
         log.close()
     report(run)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors(args.timeout):
+        train(args)
     shutdown()
 
 

@@ -35,7 +35,8 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        return int(self.mlp_ratio * self.hidden)
+        """mlp_ratio * hidden, rounded up to a multiple of 8 so that tensor parallelism can split it."""
+        return -(-int(self.mlp_ratio * self.hidden) // 8) * 8
 
 
 class RMSNorm(nn.Module):
@@ -80,15 +81,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
 
     def forward(self, x, cos, sin):
-        b, t, h = x.shape
+        b, t, h = x.shape  # [batch, seq_len, hidden]
 
-        def heads(proj):
+        def heads(proj):  # [b, t, h] -> [b, heads, t, head_dim]
             return proj(x).view(b, t, self.n_heads, -1).transpose(1, 2)
 
         q = apply_rotary(heads(self.wq), cos, sin)
         k = apply_rotary(heads(self.wk), cos, sin)
-        out = F.scaled_dot_product_attention(q, k, heads(self.wv), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, h))
+        out = F.scaled_dot_product_attention(q, k, heads(self.wv), is_causal=True)  # [b, heads, t, head_dim]
+        return self.wo(out.transpose(1, 2).reshape(b, t, h))  # heads side by side again: [b, t, h]
 
 
 class SwiGLU(nn.Module):

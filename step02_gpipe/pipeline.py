@@ -5,27 +5,44 @@ microbatch i, so p stages overlap. The pipeline still has to fill (the first
 p-1 forward slots of the last stage are empty) and drain (the same on the way
 back), which leaves each rank idle for (p-1)/(m+p-1) of the step: the bubble.
 
-Gradients are accumulated over the microbatches. Each microbatch loss is its
-own mean over its tokens divided by m, so the sum of the m backward passes is
-exactly the gradient of the mean loss over the whole batch (all microbatches
-hold the same number of tokens).
+Gradients are accumulated over the microbatches. The backward of each
+microbatch starts from d(batch mean loss)/d(microbatch mean loss) = 1/m, so the
+sum of the m backward passes is exactly the gradient of the mean loss over the
+whole batch (all microbatches hold the same number of tokens).
 
 --recompute (GPipe's re-materialisation): the forward runs without building
 an autograd graph and keeps only the stage input; the backward runs the stage
 forward again, this time with a graph, and backpropagates through it. Stored
 activations fall from m graphs to m inputs plus one graph, for one more forward.
+
+Every schedule of this course is made of four verbs (Megatron-LM's names):
+
+    recv_forward   receive the input activation from the previous stage
+    send_forward   send the output activation to the next stage
+    recv_backward  receive d(loss)/d(output) from the next stage
+    send_backward  send d(loss)/d(input) to the previous stage
+
+Here they are four small functions over blocking `dist.send` / `dist.recv`;
+step 03 moves them into a class, PipelineComm, on non-blocking operations.
 """
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from memory import ActivationMeter
 from model import lm_loss
+from timeline import Timeline
 
 
-def bubble_formula(pp: int, microbatches: int):
-    """Idle fraction of each rank when m microbatches fill and drain p stages."""
-    return "(p-1)/(m+p-1)", (pp - 1) / (microbatches + pp - 1)
+def bubble_formula(args):
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages."""
+    return "(p-1)/(m+p-1)", (args.pp - 1) / (args.microbatches + args.pp - 1)
+
+
+def peak_stored_microbatches(args, stage: int):
+    """(text, value): the most microbatches whose activations `stage` holds at once: all of them."""
+    return "m", args.microbatches
 
 
 @dataclass
@@ -34,8 +51,10 @@ class Stage:
     model: torch.nn.Module
     index: int
     count: int
-    shape: tuple  # hidden states exchanged between stages, per microbatch
+    shape: tuple  # hidden states exchanged between stages: [microbatch, seq_len, hidden]
     device: torch.device
+    timeline: Timeline
+    meter: ActivationMeter
     recompute: bool
 
     @property
@@ -47,66 +66,86 @@ class Stage:
         return self.index == self.count - 1
 
 
-def run_stage(stage: Stage, x, target, microbatches: int):
-    """The stage's computation; on the last stage it ends with this microbatch's share of the loss."""
-    out = stage.model(x)
-    return lm_loss(out, target) / microbatches if stage.is_last else out
+def recv_forward(stage: Stage):
+    x = torch.empty(stage.shape, device=stage.device)
+    with stage.timeline.span("recv", what="recv activation"):
+        dist.recv(x, src=stage.index - 1)  # blocks until stage-1 has finished its forward
+    return x
 
 
-def forward_step(stage: Stage, mb: int, tokens, target, microbatches, timeline, meter):
-    """Receive microbatch mb's input (or read its tokens), run the stage, send the output on."""
-    if stage.is_first:
-        x = tokens
-    else:
-        x = torch.empty(stage.shape, device=stage.device)
-        with timeline.span("recv", mb, kind_of="activation"):
-            dist.recv(x, src=stage.index - 1)  # waits for stage-1's forward of mb
-        x.requires_grad_(not stage.recompute)
-    with timeline.span("forward", mb):
+def send_forward(stage: Stage, out):
+    with stage.timeline.span("send", what="send activation"):
+        dist.send(out.detach(), dst=stage.index + 1)
+
+
+def recv_backward(stage: Stage):
+    grad = torch.empty(stage.shape, device=stage.device)
+    with stage.timeline.span("recv", what="recv gradient"):
+        dist.recv(grad, src=stage.index + 1)  # blocks until stage+1 has finished its backward
+    return grad
+
+
+def send_backward(stage: Stage, input_grad):
+    with stage.timeline.span("send", what="send gradient"):
+        dist.send(input_grad, dst=stage.index - 1)
+
+
+def run_stage(stage: Stage, x, target):
+    """The stage's computation; on the last stage it ends with the microbatch's mean loss."""
+    out = stage.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] logits
+    return lm_loss(out, target) if stage.is_last else out
+
+
+def forward_step(stage: Stage, mb: int, tokens, target):
+    """Receive microbatch mb's input (or read its tokens), run the stage, send the output on.
+
+    Returns (stage input, stage output): the input is kept for its gradient,
+    the output for the backward. On the last stage the output is the loss.
+    """
+    x = tokens if stage.is_first else recv_forward(stage).requires_grad_(not stage.recompute)
+    with stage.timeline.span("forward", mb):
         if stage.recompute:
-            meter.keep(mb, x)
+            stage.meter.keep(mb, x)  # only the input is stored
             with torch.no_grad():
-                out = run_stage(stage, x, target, microbatches)
+                out = run_stage(stage, x, target)
         else:
-            with meter.saving(mb):
-                out = run_stage(stage, x, target, microbatches)
-            meter.keep(mb, out)  # the stash holds the output until the backward
+            with stage.meter.saving(mb):
+                out = run_stage(stage, x, target)
+            stage.meter.keep(mb, out)  # the stash holds the output until the backward
     if not stage.is_last:
-        with timeline.span("send", mb, kind_of="activation"):
-            dist.send(out.detach(), dst=stage.index + 1)
+        send_forward(stage, out)
     return x, out
 
 
-def backward_step(stage: Stage, mb: int, x, out, target, microbatches, timeline, meter):
+def backward_step(stage: Stage, mb: int, x, out, target, microbatches: int):
     """Receive d(loss)/d(output) for mb, backpropagate, send d(loss)/d(input) to the previous stage."""
-    grad = None
-    if not stage.is_last:
-        grad = torch.empty(stage.shape, device=stage.device)
-        with timeline.span("recv", mb, kind_of="gradient"):
-            dist.recv(grad, src=stage.index + 1)  # waits for stage+1's backward of mb
+    out_grad = None if stage.is_last else recv_backward(stage)
     if stage.recompute:
-        with timeline.span("recompute", mb), meter.saving(mb), torch.enable_grad():
+        with stage.timeline.span("recompute", mb), stage.meter.saving(mb), torch.enable_grad():
             x = x.detach().requires_grad_(not stage.is_first)
-            out = run_stage(stage, x, target, microbatches)
-    with timeline.span("backward", mb):
-        out.backward(grad)
-    meter.release(mb)
+            out = run_stage(stage, x, target)
+    if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
+        out_grad = torch.full_like(out, 1 / microbatches)
+    with stage.timeline.span("backward", mb):
+        torch.autograd.backward(out, out_grad)
+    stage.meter.release(mb)
     if not stage.is_first:
-        with timeline.span("send", mb, kind_of="gradient"):
-            dist.send(x.grad, dst=stage.index - 1)
+        send_backward(stage, x.grad)
 
 
-def gpipe_forward_backward(stage: Stage, inputs, targets, microbatches, timeline, meter):
-    """All forwards, then all backwards, in microbatch order; returns the loss summed over microbatches."""
-    mb_inputs, mb_targets = inputs.chunk(microbatches), targets.chunk(microbatches)
-    stash, loss = [], None
-    for mb in range(microbatches):
-        x, out = forward_step(stage, mb, mb_inputs[mb], mb_targets[mb], microbatches, timeline, meter)
+def gpipe_forward_backward(stage: Stage, microbatches):
+    """All forwards, then all backwards, in microbatch order; returns the batch's mean loss (last stage).
+
+    microbatches: [(tokens, targets)], m of them.
+    """
+    stash, loss_sum = [], None
+    for mb, (tokens, target) in enumerate(microbatches):
+        x, out = forward_step(stage, mb, tokens, target)
         if stage.is_last:
-            loss = out.detach() if loss is None else loss + out.detach()
+            loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
         stash.append((x, None if stage.recompute else out))
     for mb, (x, out) in enumerate(stash):
-        backward_step(stage, mb, x, out, mb_targets[mb], microbatches, timeline, meter)
+        backward_step(stage, mb, x, out, microbatches[mb][1], len(microbatches))
         stash[mb] = None  # drop our references too, so the graph's memory can go
-    return loss
+    return None if loss_sum is None else loss_sum / len(microbatches)

@@ -8,32 +8,24 @@ all of them backward, accumulating gradients, then every rank updates its own
 parameters.
 """
 import json
-import sys
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, build_parser, check_config
+from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, shutdown, world_from_env
+from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from memory import ActivationMeter
-from pipeline import Stage, bubble_formula, gpipe_forward_backward
+from pipeline import Stage, bubble_formula, gpipe_forward_backward, peak_stored_microbatches
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
     """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
-    args = build_parser().parse_args(argv)
-    rank, world, _ = world_from_env()
-    try:
-        return check_config(args, world, torch.cuda.is_available())
-    except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    return parse_flags(argv, __doc__)
 
 
 def model_config(args) -> ModelConfig:
@@ -44,7 +36,20 @@ def describe_rank(rank: int) -> str:
     return f"stage {rank}"
 
 
-def build(args, device):
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+    args: object
+    device: torch.device
+    model: torch.nn.Module  # this rank's stage, parameters named as in the whole model
+    optimizer: torch.optim.Optimizer
+    stage: Stage
+    tokens: torch.Tensor
+    timeline: Timeline
+    meter: ActivationMeter
+
+
+def build(args, device) -> Run:
     """This rank's stage of the model, its optimizer, the data, a timeline and an activation meter."""
     index = dist.get_rank()
     layer_ids = split_layers(args.layers, args.pp)[index]
@@ -52,11 +57,10 @@ def build(args, device):
                         seed=args.seed).to(device)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    shape = (args.batch_size // args.microbatches, args.seq_len, args.hidden)
-    stage = Stage(model, index, args.pp, shape, device, args.recompute)
-    return SimpleNamespace(args=args, device=device, stage=stage, model=model, optimizer=optimizer,
-                           tokens=load_tokens(args.data), timeline=Timeline(index, device),
-                           meter=ActivationMeter(model))
+    timeline, meter = Timeline(index, device), ActivationMeter(model)
+    shape = (args.batch_size // args.microbatches, args.seq_len, args.hidden)  # one microbatch
+    stage = Stage(model, index, args.pp, shape, device, timeline, meter, args.recompute)
+    return Run(args, device, model, optimizer, stage, load_tokens(args.data), timeline, meter)
 
 
 def share_loss(run, loss):
@@ -71,7 +75,8 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = (t.to(run.device) for t in get_batch(
         run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed))
     run.optimizer.zero_grad(set_to_none=True)
-    loss = gpipe_forward_backward(run.stage, inputs, targets, run.args.microbatches, run.timeline, run.meter)
+    microbatches = list(zip(inputs.chunk(run.args.microbatches), targets.chunk(run.args.microbatches)))
+    loss = gpipe_forward_backward(run.stage, microbatches)
     return share_loss(run, loss)
 
 
@@ -87,26 +92,39 @@ def train_step(run, step: int) -> dict:
     dist.barrier()  # the step is over when the slowest rank is done
     elapsed = time.perf_counter() - start
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes))
+    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
+                                   run.meter.peak_stored_microbatches))
     tokens = run.args.batch_size * run.args.seq_len
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed,
-                peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks])
+                peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
+                peak_stored_microbatches=[p[2] for p in peaks])
 
 
-def report(run):
-    """After training: the bubble per rank beside the formula, and the trace file."""
+def memory_report(args, record):
+    """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
+    text, _ = peak_stored_microbatches(args, 0)
+    lines = [f"activation memory: peak stored microbatches, measured vs formula {text}"]
+    for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
+        _, expected = peak_stored_microbatches(args, rank)
+        lines.append(f"  rank {rank} ({describe_rank(rank)}): peak {count} microbatches "
+                     f"(formula {expected}), {size / 2**20:.2f} MiB")
+    return lines
+
+
+def report(run, last_record):
+    """After training: memory and bubble per rank beside their formulas, and the trace file."""
     events = gather_events(run.timeline)
     if dist.get_rank() != 0:
         return
-    text, value = bubble_formula(run.args.pp, run.args.microbatches)
+    print("\n".join(memory_report(run.args, last_record)))
+    text, value = bubble_formula(run.args)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, describe_rank)))
     if run.args.trace:
         write_chrome_trace(events, run.args.trace, describe_rank)
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
@@ -119,7 +137,13 @@ def main(argv=None):
                 log.write(json.dumps(record) + "\n")
     if log:
         log.close()
-    report(run)
+    report(run, record)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors(args.timeout):
+        train(args)
     shutdown()
 
 

@@ -7,8 +7,13 @@ a schedule's memory formula counts. We see them with
 tensor autograd saves. Parameters and buffers are saved too (a matmul keeps its
 weight) but they exist anyway, so tensors sharing their storage are skipped.
 This works on CPU, where there is no allocator to ask.
+
+Bytes are counted per storage, once, however many saved tensors or microbatches
+share it: the microbatches of one batch's token ids are views of one storage.
+A meter made with enabled=False installs no hooks and counts nothing.
 """
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -20,34 +25,37 @@ def storage_key(t: torch.Tensor) -> int:
 class ActivationMeter:
     """Live and peak activation bytes, and the number of microbatches holding activations."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.weights = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    def __init__(self, model: torch.nn.Module = None, enabled: bool = True):
+        self.enabled = enabled
+        tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+        self.weights = {storage_key(t) for t in tensors}
         self.live = {}  # microbatch -> {storage: bytes} it keeps alive
-        self.peak_bytes = 0
-        self.peak_microbatches = 0
+        self.holders = Counter()  # storage -> how many live microbatches keep it
+        self.live_bytes = 0
+        self.peak_bytes = self.peak_stored_microbatches = 0
 
     def reset_peaks(self):
-        self.peak_bytes = self.peak_microbatches = 0
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(sum(saved.values()) for saved in self.live.values())
-
-    def _update_peaks(self):
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.peak_microbatches = max(self.peak_microbatches, len(self.live))
+        self.peak_bytes = self.peak_stored_microbatches = 0
 
     def keep(self, microbatch, t: torch.Tensor):
         """Count a tensor that the schedule itself keeps for the backward (e.g. a stage input)."""
         key = storage_key(t)
-        if key not in self.weights:
-            self.live.setdefault(microbatch, {})[key] = t.untyped_storage().nbytes()
-            self._update_peaks()
+        saved = self.live.setdefault(microbatch, {}) if self.enabled else {}
+        if not self.enabled or key in self.weights or key in saved:
+            return
+        saved[key] = t.untyped_storage().nbytes()
+        self.holders[key] += 1
+        if self.holders[key] == 1:
+            self.live_bytes += saved[key]
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.peak_stored_microbatches = max(self.peak_stored_microbatches, len(self.live))
 
-    @contextmanager
     def saving(self, microbatch):
         """Count everything autograd saves while the body runs as belonging to `microbatch`."""
+        return self._hooks(microbatch) if self.enabled else nullcontext()
 
+    @contextmanager
+    def _hooks(self, microbatch):
         def pack(t):
             self.keep(microbatch, t)
             return t
@@ -55,6 +63,13 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 
+    def _drop(self, key, size):
+        self.holders[key] -= 1
+        if self.holders[key] == 0:
+            del self.holders[key]
+            self.live_bytes -= size
+
     def release(self, microbatch):
         """The backward of `microbatch` has run: autograd has freed what it saved."""
-        self.live.pop(microbatch, None)
+        for key, size in self.live.pop(microbatch, {}).items():
+            self._drop(key, size)

@@ -7,43 +7,105 @@ The four verbs of every pipeline schedule (names as in Megatron-LM):
     recv_backward  receive d(loss)/d(output) from the next stage
     send_backward  send d(loss)/d(input) to the previous stage
 
-Receives need a buffer of known shape and dtype: both neighbours know the
+All four are one call of `communicate`, Megatron's `_communicate`: optionally
+send an activation to the next rank and a gradient to the previous one,
+optionally receive an activation from the previous rank and a gradient from the
+next one. Later steps combine several of these in one call; the worker stays
+the same. At the ends of the pipeline the verbs do nothing (a receive returns
+None): the first stage reads tokens, the last stage starts from its loss.
+
+A receive needs a buffer of known shape and dtype: both neighbours know the
 microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
-sent. Each verb posts its operation with `batch_isend_irecv` and waits for it;
-at the ends of the pipeline a verb does nothing (a receive returns None).
+sent. No message carries a label either: two ranks agree on what the k-th
+message between them is because both run the same schedule.
 """
+from collections import Counter
+
 import torch
 import torch.distributed as dist
+
+from distributed import PeerTimeout
 
 
 class PipelineComm:
     def __init__(self, pgm, shape, dtype, device, timeline):
-        self.pgm, self.shape, self.dtype, self.device, self.timeline = pgm, shape, dtype, device, timeline
+        self.stage, self.num_stages = pgm.stage, pgm.pp
+        self.prev_rank, self.next_rank = pgm.prev_rank, pgm.next_rank
+        self.shape, self.dtype, self.device, self.timeline = shape, dtype, device, timeline
+        self.received = Counter()  # activations and gradients received so far this step, for errors
 
-    def _run(self, kind: str, microbatch: int, ops, what: str):
-        """Post the operations and wait until they completed: the peer has matched them."""
-        with self.timeline.span(kind, microbatch, kind_of=what):
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
 
-    def _recv(self, peer, microbatch, what):
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self._run("recv", microbatch, [dist.P2POp(dist.irecv, buffer, peer)], what)
-        return buffer
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
 
-    def _send(self, tensor, peer, microbatch, what):
-        self._run("send", microbatch, [dist.P2POp(dist.isend, tensor.detach().contiguous(), peer)], what)
+    def begin_step(self):
+        """Count messages from zero again: the k-th activation of a step is the k-th microbatch's."""
+        self.received.clear()
 
-    def recv_forward(self, microbatch):
-        return None if self.pgm.is_first else self._recv(self.pgm.prev_rank, microbatch, "activation")
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """Send and receive with both neighbours at once; return (from_prev, from_next).
 
-    def send_forward(self, output, microbatch):
-        if not self.pgm.is_last:
-            self._send(output, self.pgm.next_rank, microbatch, "activation")
+        send_next: an output activation for the next rank; send_prev: an input gradient for the
+        previous rank. recv_prev / recv_next: receive an activation / a gradient (else None).
+        """
+        from_prev = self._buffer() if recv_prev else None
+        from_next = self._buffer() if recv_next else None
+        # Megatron's order: send next, receive previous, send previous, receive next.
+        ops = [dist.P2POp(dist.isend, send_next.detach(), self.next_rank) if send_next is not None else None,
+               dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
+               dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
+               dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
+        if any(op is not None for op in ops):
+            kind, what = self._describe(ops)
+            with self.timeline.span(kind, what=what):
+                self._post(ops)
+        return from_prev, from_next
 
-    def recv_backward(self, microbatch):
-        return None if self.pgm.is_last else self._recv(self.pgm.next_rank, microbatch, "gradient")
+    def _buffer(self):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def send_backward(self, input_grad, microbatch):
-        if not self.pgm.is_first:
-            self._send(input_grad, self.pgm.prev_rank, microbatch, "gradient")
+    def _post(self, ops):
+        """Start the operations together, then wait until every peer has matched its part."""
+        works = dist.batch_isend_irecv([op for op in ops if op is not None])
+        self._wait(works, ops)
+
+    def _wait(self, works, ops):
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:  # the process group's timeout expired
+            raise PeerTimeout(self._timeout_message(ops)) from err
+        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
+
+    def _describe(self, ops):
+        """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
+        names = ["send activation", "recv activation", "send gradient", "recv gradient"]
+        present = [name for name, op in zip(names, ops) if op is not None]
+        directions = {name.split()[0] for name in present}
+        return (directions.pop() if len(directions) == 1 else "sendrecv"), " + ".join(present)
+
+    def _timeout_message(self, ops):
+        """Who waited for what: the k-th activation or gradient of this step, from which rank."""
+        waits = [f"{what} {self.received[what]} of this step from rank {peer}" for what, peer, op in
+                 (("activation", self.prev_rank, ops[1]), ("gradient", self.next_rank, ops[3])) if op is not None]
+        waits += [f"rank {peer} to take {what}" for what, peer, op in
+                  (("an activation", self.next_rank, ops[0]), ("a gradient", self.prev_rank, ops[2])) if op is not None]
+        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"
+
+    def recv_forward(self):
+        return None if self.is_first else self.communicate(recv_prev=True)[0]
+
+    def send_forward(self, output):
+        if not self.is_last:
+            self.communicate(send_next=output)
+
+    def recv_backward(self):
+        return None if self.is_last else self.communicate(recv_next=True)[1]
+
+    def send_backward(self, input_grad):
+        if not self.is_first:
+            self.communicate(send_prev=input_grad)

@@ -4,31 +4,74 @@ Every microbatch goes forward through this stage, then every microbatch goes
 backward, in the same order on every stage so each receive meets its send.
 The stage keeps the inputs and outputs of all m microbatches until their
 backward: activation memory grows with m (step 04 fixes that).
+
+The Stash below is what every later schedule shares: it runs one microbatch
+forward or backward on the right stage and keeps what the backward needs.
 """
+import torch
 
 
-def bubble_formula(pp: int, microbatches: int):
-    """Idle fraction of each rank when m microbatches fill and drain p stages."""
-    return "(p-1)/(m+p-1)", (pp - 1) / (microbatches + pp - 1)
+def bubble_formula(args):
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages."""
+    return "(p-1)/(m+p-1)", (args.pp - 1) / (args.microbatches + args.pp - 1)
 
 
-def afab_forward_backward(stage, comm, mb_inputs, mb_targets, sync_gradients):
-    """One optimizer step's forwards and backwards; returns the loss summed over microbatches (last stage)."""
-    microbatches = len(mb_inputs)
-    inputs, outputs, loss = [], [], None
-    for mb in range(microbatches):
-        x = comm.recv_forward(mb)  # None on the first stage: it reads tokens
-        x = mb_inputs[mb] if x is None else x
-        out = stage.forward(mb, x, mb_targets[mb])
-        comm.send_forward(out, mb)
+def peak_stored_microbatches(args, stage: int):
+    """(text, value): the most microbatches whose activations `stage` holds at once."""
+    return "m", args.microbatches
+
+
+class Stash:
+    """What one rank keeps between a microbatch's forward and its backward, and the summed loss.
+
+    microbatches: [(tokens, targets)] of this replica. stages: this rank's model chunks (one until step 05).
+    """
+
+    def __init__(self, stages, microbatches, sync_gradients):
+        self.stages, self.microbatches, self.sync_gradients = stages, microbatches, sync_gradients
+        self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
+        self.loss_sum = None  # last stage only
+        self.backwards_left = len(stages) * len(microbatches)
+
+    def forward(self, mb, x, chunk=0):
+        """x is the received activation; the model's first stage reads tokens instead (x is None)."""
+        stage = self.stages[chunk]
+        tokens, target = self.microbatches[mb]
+        x = tokens if stage.is_first else x
+        out = stage.forward(mb, x, target)
         if stage.is_last:
-            loss = out.detach() if loss is None else loss + out.detach()
-        inputs.append(x)
+            self.loss_sum = out.detach() if self.loss_sum is None else self.loss_sum + out.detach()
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
-        outputs.append(None if stage.recompute else out)
-    for mb in range(microbatches):
-        out_grad = comm.recv_backward(mb)  # None on the last stage: its output is the loss
-        comm.send_backward(stage.backward(mb, inputs[mb], outputs[mb], out_grad), mb)
-        inputs[mb] = outputs[mb] = None  # let this microbatch's graph go
-    sync_gradients()  # after the last backward: one all-reduce per optimizer step
-    return loss
+        self.kept[chunk, mb] = (x, None if stage.recompute else out)
+        return out
+
+    def backward(self, mb, out_grad, chunk=0):
+        """out_grad is the received gradient; the model's last stage starts from its loss (out_grad is None)."""
+        stage = self.stages[chunk]
+        x, out = self.kept.pop((chunk, mb))
+        if stage.recompute:
+            x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
+        if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
+            out_grad = torch.full_like(out, 1 / len(self.microbatches))
+        input_grad = stage.backward(mb, x, out, out_grad)
+        self.backwards_left -= 1
+        if self.backwards_left == 0:
+            self.sync_gradients()  # this rank's last backward: one all-reduce per optimizer step
+        return input_grad
+
+    @property
+    def loss(self):
+        """The batch's mean loss on the rank that holds the model's last stage, else None."""
+        return None if self.loss_sum is None else self.loss_sum / len(self.microbatches)
+
+
+def afab_forward_backward(stages, comm, microbatches, sync_gradients):
+    """Every forward, then every backward, in microbatch order on every stage; returns the mean loss."""
+    stash = Stash(stages, microbatches, sync_gradients)
+    for mb in range(len(microbatches)):
+        out = stash.forward(mb, comm.recv_forward())  # recv_forward waits for stage-1's forward of mb
+        comm.send_forward(out)
+    for mb in range(len(microbatches)):
+        comm.send_backward(stash.backward(mb, comm.recv_backward()))  # waits for stage+1's backward of mb
+    return stash.loss
+

@@ -2,57 +2,64 @@
 
 The schedule decides *when*; the stage knows *how*:
 
-    output = stage.forward(mb, input, target)
-    input_grad = stage.backward(mb, input, output, output_grad)
+    output = stage.forward(mb, x, target)        # x: the received activation, or token ids on stage 0
+    input_grad = stage.backward(mb, x, output, output_grad)
 
-On the last stage the output is this microbatch's share of the loss (its mean
-divided by the number of microbatches, so that the accumulated gradients are
-those of the mean loss over the whole batch) and output_grad is None.
+On the last stage the output is the microbatch's mean loss, and the schedule
+passes output_grad = 1/m, the gradient of the batch's mean loss with respect to
+one microbatch's mean loss: summed over the m backwards, the gradients are those
+of the whole batch (all microbatches hold the same number of tokens).
 
-With recompute (GPipe's re-materialisation), forward keeps no autograd graph,
-only the input; backward runs the forward again with a graph first.
+With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
+the schedule keeps the input and calls `recompute` to rebuild the graph just
+before the backward.
+
+`chunk` numbers this rank's model chunks; it stays 0 until step 05 gives a rank
+several. The timeline and the activation meter only watch: leave them out and
+the stage computes the same.
 """
 import torch
 
+from memory import ActivationMeter
 from model import lm_loss
+from timeline import Timeline
 
 
 class PipelineStage:
-    def __init__(self, model, is_first, is_last, microbatches, recompute, timeline, meter):
-        self.model, self.is_first, self.is_last = model, is_first, is_last
-        self.microbatches, self.recompute = microbatches, recompute
-        self.timeline, self.meter = timeline, meter
-        self.targets = {}  # microbatch -> targets, kept for the last stage's recompute
+    def __init__(self, model, *, chunk=0, recompute=False, timeline=None, meter=None):
+        self.model, self.chunk, self.recompute = model, chunk, recompute
+        self.is_first, self.is_last = model.first, model.last
+        self.timeline = timeline or Timeline(enabled=False)
+        self.meter = meter or ActivationMeter(enabled=False)
 
     def _run(self, x, target):
-        out = self.model(x)
-        return lm_loss(out, target) / self.microbatches if self.is_last else out
+        out = self.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
+        return lm_loss(out, target) if self.is_last else out
 
     def forward(self, mb, x, target):
-        if not self.is_first and not self.recompute:
-            x.requires_grad_()  # we need d(loss)/d(input) to send back
-        with self.timeline.span("forward", mb):
-            if not self.recompute:
-                with self.meter.saving(mb):
-                    out = self._run(x, target)
-                self.meter.keep(mb, out)  # the schedule holds the output until the backward
-                return out
-            self.meter.keep(mb, x)
-            self.targets[mb] = target
-            with torch.no_grad():
-                return self._run(x, target)
+        key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
+        with self.timeline.span("forward", mb, chunk=self.chunk):
+            if self.recompute:
+                self.meter.keep(key, x)  # only the input is stored
+                with torch.no_grad():
+                    return self._run(x, target)
+            if not self.is_first:
+                x.requires_grad_()  # we need d(loss)/d(input) to send back
+            with self.meter.saving(key):
+                out = self._run(x, target)
+            self.meter.keep(key, out)  # the schedule holds the output until the backward
+            return out
 
-    def _recompute(self, mb, x):
+    def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
-        with self.timeline.span("recompute", mb), self.meter.saving(mb), torch.enable_grad():
+        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb)), \
+                torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
-            return x, self._run(x, self.targets.pop(mb))
+            return x, self._run(x, target)
 
     def backward(self, mb, x, out, out_grad):
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0)."""
-        if self.recompute:
-            x, out = self._recompute(mb, x)
-        with self.timeline.span("backward", mb):
-            out.backward(out_grad)
-        self.meter.release(mb)
+        with self.timeline.span("backward", mb, chunk=self.chunk):
+            torch.autograd.backward(out, out_grad)
+        self.meter.release((self.chunk, mb))
         return None if self.is_first else x.grad

@@ -1,102 +1,133 @@
 """Pipeline schedules: all-forward-all-backward (AFAB) and one-forward-one-backward (1F1B).
 
-Both run the same m forwards and m backwards per stage, so both have GPipe's
-bubble (p-1)/(m+p-1). They differ in *when* the backwards run:
+AFAB, GPipe's schedule: every microbatch goes forward through this stage, then
+every microbatch goes backward, in the same order on every stage so each
+receive meets its send. The stage keeps the inputs and outputs of all m
+microbatches until their backward: activation memory grows with m.
 
-AFAB keeps every microbatch's activations until all forwards are done: m sets.
-
-1F1B (PipeDream-Flush, Megatron-LM's default) starts each backward as early as
+1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m
+backwards, so it has the same bubble, but starts each backward as early as
 possible. Stage s (of p) runs
     warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
     steady:    one forward then one backward, until every forward is done,
     cool-down: the remaining backwards.
 At most min(p-s, m) microbatches are in flight on stage s at any time, so
 activation memory is bounded by the pipeline depth instead of m.
+
+The Stash below is what every later schedule shares: it runs one microbatch
+forward or backward on the right stage and keeps what the backward needs.
 """
+import torch
 
 
-def bubble_formula(pp: int, microbatches: int):
-    """Idle fraction of each rank: m microbatches fill and drain p stages (AFAB and 1F1B alike)."""
-    return "(p-1)/(m+p-1)", (pp - 1) / (microbatches + pp - 1)
+def bubble_formula(args):
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B)."""
+    return "(p-1)/(m+p-1)", (args.pp - 1) / (args.microbatches + args.pp - 1)
+
+
+def peak_stored_microbatches(args, stage: int):
+    """(text, value): the most microbatches whose activations `stage` holds at once."""
+    if args.schedule == "afab":
+        return "m", args.microbatches
+    return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
 
 
 def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:
-    """Forwards stage `stage` runs before its first backward."""
+    """Forwards stage `stage` runs before its first backward in 1F1B."""
     return min(pp - stage - 1, microbatches)
 
 
-def peak_microbatches_in_flight(schedule: str, pp: int, stage: int, microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at once, at most."""
-    return microbatches if schedule == "afab" else min(pp - stage, microbatches)
+class Stash:
+    """What one rank keeps between a microbatch's forward and its backward, and the summed loss.
 
+    microbatches: [(tokens, targets)] of this replica. stages: this rank's model chunks (one until step 05).
+    """
 
-class MicrobatchRunner:
-    """Runs microbatch forwards and backwards on a stage and remembers what the backward needs."""
+    def __init__(self, stages, microbatches, sync_gradients):
+        self.stages, self.microbatches, self.sync_gradients = stages, microbatches, sync_gradients
+        self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
+        self.loss_sum = None  # last stage only
+        self.backwards_left = len(stages) * len(microbatches)
 
-    def __init__(self, stage, mb_inputs, mb_targets, sync_gradients):
-        self.stage, self.mb_inputs, self.mb_targets = stage, mb_inputs, mb_targets
-        self.sync_gradients = sync_gradients
-        self.inputs, self.outputs, self.loss = {}, {}, None
-
-    def forward(self, mb, x):
-        """x is the received activation, or None on the first stage (it reads tokens)."""
-        x = self.mb_inputs[mb] if x is None else x
-        out = self.stage.forward(mb, x, self.mb_targets[mb])
-        if self.stage.is_last:
-            self.loss = out.detach() if self.loss is None else self.loss + out.detach()
-        self.inputs[mb] = x
+    def forward(self, mb, x, chunk=0):
+        """x is the received activation; the model's first stage reads tokens instead (x is None)."""
+        stage = self.stages[chunk]
+        tokens, target = self.microbatches[mb]
+        x = tokens if stage.is_first else x
+        out = stage.forward(mb, x, target)
+        if stage.is_last:
+            self.loss_sum = out.detach() if self.loss_sum is None else self.loss_sum + out.detach()
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
-        self.outputs[mb] = None if self.stage.recompute else out
+        self.kept[chunk, mb] = (x, None if stage.recompute else out)
         return out
 
-    def backward(self, mb, out_grad):
-        input_grad = self.stage.backward(mb, self.inputs.pop(mb), self.outputs.pop(mb), out_grad)
-        if mb == len(self.mb_inputs) - 1:
+    def backward(self, mb, out_grad, chunk=0):
+        """out_grad is the received gradient; the model's last stage starts from its loss (out_grad is None)."""
+        stage = self.stages[chunk]
+        x, out = self.kept.pop((chunk, mb))
+        if stage.recompute:
+            x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
+        if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
+            out_grad = torch.full_like(out, 1 / len(self.microbatches))
+        input_grad = stage.backward(mb, x, out, out_grad)
+        self.backwards_left -= 1
+        if self.backwards_left == 0:
             self.sync_gradients()  # this rank's last backward: one all-reduce per optimizer step
         return input_grad
 
+    def deallocate(self, mb, chunk=0):
+        """mb's output has been sent: its values may go (see PipelineStage.deallocate_output)."""
+        stage = self.stages[chunk]
+        if not stage.is_last:  # the last stage sends nothing: its output is the loss
+            stage.deallocate_output(mb, self.kept[chunk, mb][1])
 
-def afab_forward_backward(stage, comm, mb_inputs, mb_targets, sync_gradients):
-    """Every forward, then every backward, in microbatch order on every stage."""
-    run = MicrobatchRunner(stage, mb_inputs, mb_targets, sync_gradients)
-    for mb in range(len(mb_inputs)):
-        out = run.forward(mb, comm.recv_forward(mb))
-        comm.send_forward(out, mb)
-        stage.deallocate_output(mb, out)
-    for mb in range(len(mb_inputs)):
-        comm.send_backward(run.backward(mb, comm.recv_backward(mb)), mb)
-    return run.loss
+    @property
+    def loss(self):
+        """The batch's mean loss on the rank that holds the model's last stage, else None."""
+        return None if self.loss_sum is None else self.loss_sum / len(self.microbatches)
 
 
-def one_f_one_b_forward_backward(stage, comm, mb_inputs, mb_targets, sync_gradients):
+def afab_forward_backward(stages, comm, microbatches, sync_gradients):
+    """Every forward, then every backward, in microbatch order on every stage; returns the mean loss."""
+    stash = Stash(stages, microbatches, sync_gradients)
+    for mb in range(len(microbatches)):
+        out = stash.forward(mb, comm.recv_forward())  # recv_forward waits for stage-1's forward of mb
+        comm.send_forward(out)
+        stash.deallocate(mb)
+    for mb in range(len(microbatches)):
+        comm.send_backward(stash.backward(mb, comm.recv_backward()))  # waits for stage+1's backward of mb
+    return stash.loss
+
+
+
+def one_f_one_b_forward_backward(stages, comm, microbatches, sync_gradients):
     """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
-    run = MicrobatchRunner(stage, mb_inputs, mb_targets, sync_gradients)
-    microbatches = len(mb_inputs)
-    warmup = warmup_microbatches(comm.pgm.pp, comm.pgm.stage, microbatches)
-    steady = microbatches - warmup
+    stash = Stash(stages, microbatches, sync_gradients)
+    m = len(microbatches)
+    warmup = warmup_microbatches(comm.num_stages, comm.stage, m)
+    steady = m - warmup
 
     for mb in range(warmup):
-        out = run.forward(mb, comm.recv_forward(mb))
-        comm.send_forward(out, mb)
-        stage.deallocate_output(mb, out)
+        comm.send_forward(stash.forward(mb, comm.recv_forward()))
+        stash.deallocate(mb)
 
-    x = comm.recv_forward(warmup) if steady else None
+    x = comm.recv_forward() if steady else None
     for i in range(steady):
         fwd_mb, bwd_mb = warmup + i, i  # forward the newest microbatch, backward the oldest
-        out = run.forward(fwd_mb, x)
+        out = stash.forward(fwd_mb, x)
         # Hand the output on and wait for the gradient of the oldest microbatch in one exchange:
         # the next stage is sending that gradient to us right now.
-        out_grad = comm.send_forward_recv_backward(out, fwd_mb, bwd_mb)
-        stage.deallocate_output(fwd_mb, out)
-        input_grad = run.backward(bwd_mb, out_grad)
+        out_grad = comm.send_forward_recv_backward(out)
+        stash.deallocate(fwd_mb)
+        input_grad = stash.backward(bwd_mb, out_grad)
         if i == steady - 1:
-            comm.send_backward(input_grad, bwd_mb)
+            comm.send_backward(input_grad)
         else:  # send the gradient back while the previous stage sends our next input
-            x = comm.send_backward_recv_forward(input_grad, bwd_mb, fwd_mb + 1)
+            x = comm.send_backward_recv_forward(input_grad)
 
-    for mb in range(steady, microbatches):
-        comm.send_backward(run.backward(mb, comm.recv_backward(mb)), mb)
-    return run.loss
+    for mb in range(steady, m):
+        comm.send_backward(stash.backward(mb, comm.recv_backward()))
+    return stash.loss
 
 
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward}

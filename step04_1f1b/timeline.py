@@ -11,9 +11,11 @@ event's length is the time its kernels really took.
 The bubble of a rank is the fraction of the step's pipeline window in which it
 did no compute: 1 - (forward + backward + recompute time) / window, where the window runs
 from the step's start to the end of the last compute event on any rank.
+
+A Timeline made with enabled=False records nothing and costs nothing.
 """
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch.distributed as dist
 
@@ -23,8 +25,8 @@ COMPUTE = ("forward", "backward", "recompute")
 
 
 class Timeline:
-    def __init__(self, rank: int, device):
-        self.rank, self.device = rank, device
+    def __init__(self, rank: int = 0, device=None, enabled: bool = True):
+        self.rank, self.device, self.enabled = rank, device, enabled
         self.events = []
         self.step = 0
 
@@ -32,8 +34,12 @@ class Timeline:
         """Events from now on belong to optimizer step `step`."""
         self.step = step
 
-    @contextmanager
     def span(self, kind: str, microbatch=None, **info):
+        """Record the body as one event; info (chunk, what) goes into the event as it is."""
+        return self._record(kind, microbatch, info) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _record(self, kind, microbatch, info):
         start = now(self.device)
         yield
         end = now(self.device)
@@ -82,8 +88,16 @@ def bubble_report(events, world_size: int, formula_text: str, formula_value: flo
     return lines
 
 
+def box_name(event) -> str:
+    """forward 3, backward 3 chunk 1, recv activation 2, ...: what a trace box says."""
+    parts = [event.get("what") or event["kind"], event["microbatch"]]
+    if event.get("chunk") is not None:
+        parts.append(f"chunk {event['chunk']}")
+    return " ".join(str(p) for p in parts if p is not None)
+
+
 def write_chrome_trace(events, path: str, describe_rank):
-    """One row per rank; opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
+    """One row per rank (thread rank + 1 of process 1); opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 
     Steps are laid end to end: each step starts where the previous one ended.
     """
@@ -92,14 +106,13 @@ def write_chrome_trace(events, path: str, describe_rank):
         step_events = [e for e in events if e["step"] == step]
         origin = step_start(events, step)
         for e in step_events:
-            mb = "" if e["microbatch"] is None else e["microbatch"]
-            name = f"{e['kind']} {mb}".strip()
-            trace.append(dict(name=name, cat=e["kind"], ph="X", pid=0, tid=e["rank"],
+            trace.append(dict(name=box_name(e), cat=e["kind"], ph="X", pid=1, tid=e["rank"] + 1,
                               ts=(offset + e["start"] - origin) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
-                              args=dict(step=step, microbatch=e["microbatch"])))
+                              args=dict(step=step, rank=e["rank"], microbatch=e["microbatch"],
+                                        chunk=e.get("chunk"), what=e.get("what"))))
         offset += max(e["end"] for e in step_events) - origin
     ranks = sorted({e["rank"] for e in events})
-    trace += [dict(name="thread_name", ph="M", pid=0, tid=r, args=dict(name=f"rank {r} ({describe_rank(r)})"))
+    trace += [dict(name="thread_name", ph="M", pid=1, tid=r + 1, args=dict(name=f"rank {r} ({describe_rank(r)})"))
               for r in ranks]
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

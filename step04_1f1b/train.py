@@ -8,65 +8,76 @@ activations instead of all m. --p2p picks how a paired send and receive avoid
 deadlock; --deallocate frees sent outputs early.
 """
 import json
-import sys
 import time
+from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, build_parser, check_config
+from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, shutdown, world_from_env
+from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from data_parallel import average_gradients
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager, describe_rank
-from schedule import SCHEDULES, bubble_formula, peak_microbatches_in_flight
+from schedule import SCHEDULES, bubble_formula, peak_stored_microbatches
 from stage import PipelineStage
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
     """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
-    args = build_parser().parse_args(argv)
-    rank, world, _ = world_from_env()
-    try:
-        return check_config(args, world, torch.cuda.is_available())
-    except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    return parse_flags(argv, __doc__)
 
 
 def model_config(args) -> ModelConfig:
     return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
 
 
-def build(args, device):
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+    args: object
+    device: torch.device
+    pgm: ProcessGroupManager
+    model: torch.nn.Module  # all of this rank's parameters, named as in the whole model
+    optimizer: torch.optim.Optimizer
+    stages: list  # this rank's PipelineStages
+    comm: PipelineComm
+    tokens: torch.Tensor
+    timeline: Timeline
+    meter: ActivationMeter
+
+
+def build_model(args, pgm):
+    """This rank's stage of the model."""
+    layer_ids = split_layers(args.layers, args.pp)[pgm.stage]
+    return Transformer(model_config(args), layer_ids, first=pgm.is_first, last=pgm.is_last, seed=args.seed)
+
+
+def build(args, device) -> Run:
     """This rank's place in the grid, its stage of the model, optimizer, data, timeline and meters."""
     pgm = ProcessGroupManager(args.pp, args.dp, args.timeout)
-    layer_ids = split_layers(args.layers, args.pp)[pgm.stage]
-    model = Transformer(model_config(args), layer_ids, first=pgm.is_first, last=pgm.is_last,
-                        seed=args.seed).to(device)
+    model = build_model(args, pgm).to(device)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
-    stage = PipelineStage(model, pgm.is_first, pgm.is_last, args.microbatches, args.recompute, args.deallocate,
-                          timeline, meter)
-    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)
+    stages = [PipelineStage(model, recompute=args.recompute, deallocate=args.deallocate, timeline=timeline,
+                            meter=meter)]
+    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
-    return SimpleNamespace(args=args, device=device, pgm=pgm, model=model, optimizer=optimizer, stage=stage,
-                           comm=comm, tokens=load_tokens(args.data), timeline=timeline, meter=meter)
+    return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
-def replica_shard(run, batch):
-    """This data-parallel replica's rows of the global batch, split into microbatches."""
+def replica_microbatches(run, inputs, targets):
+    """This data-parallel replica's rows of the global batch, as m (tokens, targets) microbatches."""
     rows = run.args.batch_size // run.args.dp
-    shard = batch[run.pgm.dp_rank * rows : (run.pgm.dp_rank + 1) * rows].to(run.device)
-    return shard.chunk(run.args.microbatches)
+    mine = slice(run.pgm.dp_rank * rows, (run.pgm.dp_rank + 1) * rows)
+    return list(zip(inputs[mine].to(run.device).chunk(run.args.microbatches),
+                    targets[mine].to(run.device).chunk(run.args.microbatches)))
 
 
 def share_loss(run, loss):
@@ -84,9 +95,9 @@ def compute_gradients(run, step: int) -> float:
     """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
-    schedule = SCHEDULES[run.args.schedule]
-    loss = schedule(run.stage, run.comm, replica_shard(run, inputs), replica_shard(run, targets),
-                    lambda: average_gradients(run.model, run.pgm, run.timeline))
+    run.comm.begin_step()
+    loss = SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets),
+                                        lambda: average_gradients(run.model, run.pgm, run.timeline))
     return share_loss(run, loss)
 
 
@@ -103,7 +114,7 @@ def train_step(run, step: int) -> dict:
     elapsed = time.perf_counter() - start
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_microbatches))
+                                   run.meter.peak_stored_microbatches))
     tokens = run.args.batch_size * run.args.seq_len
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed,
                 peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
@@ -112,10 +123,10 @@ def train_step(run, step: int) -> dict:
 
 def memory_report(args, record):
     """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    formula = "m" if args.schedule == "afab" else "min(p-stage, m)"
-    lines = [f"activation memory, {args.schedule} (formula: {formula})"]
+    text, _ = peak_stored_microbatches(args, 0)
+    lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        expected = peak_microbatches_in_flight(args.schedule, args.pp, rank // args.dp, args.microbatches)
+        _, expected = peak_stored_microbatches(args, rank // args.dp)
         lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): peak {count} microbatches "
                      f"(formula {expected}), {size / 2**20:.2f} MiB")
     return lines
@@ -127,7 +138,7 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    text, value = bubble_formula(run.args.pp, run.args.microbatches)
+    text, value = bubble_formula(run.args)
     label = partial(describe_rank, dp=run.args.dp)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
     if run.args.trace:
@@ -135,8 +146,7 @@ def report(run, last_record):
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
@@ -150,6 +160,12 @@ def main(argv=None):
     if log:
         log.close()
     report(run, record)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors(args.timeout):
+        train(args)
     shutdown()
 
 

@@ -2,12 +2,19 @@
 
 Every rule is checked before any process group, model or data is built, so a
 bad configuration fails in a second with one line that names the flag, the
-value and the rule, instead of hanging half-way through a pipeline.
+value and the rule, instead of hanging half-way through a pipeline. Under
+torchrun every rank parses the flags; only rank 0 prints.
 """
 import argparse
+import math
 import os
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+import torch
 
 from data import DEFAULT_CORPUS_BYTES
+from distributed import world_from_env
 from p2p import ORDERINGS
 from schedule import SCHEDULES
 
@@ -16,8 +23,8 @@ class ConfigError(ValueError):
     """A flag value that breaks a rule of the run."""
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__)
+def build_parser(description=None):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     p.add_argument("--batch-size", type=int, default=8, help="global sequences per optimizer step")
@@ -27,29 +34,45 @@ def build_parser():
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
     p.add_argument("--schedule", default=None,
                    help="afab | 1f1b | interleaved (default: interleaved if --virtual-stages > 1, else 1f1b)")
-    p.add_argument("--p2p", default="batched", help="batched | ordered: how a send and a receive are paired")
+    p.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
     p.add_argument("--deallocate", action="store_true",
                    help="free each output's storage once it is sent, keeping its autograd graph")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers of the whole model")
+    p.add_argument("--hidden", type=int, default=128, help="width of the hidden states")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--data", default=None, help="a text file (default: the Python stdlib source)")
     p.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for a peer")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a rank waits for a peer before failing; must exceed one microbatch of one stage")
     return p
+
+
+def parse_flags(argv, description):
+    """Flags -> checked args. --help, a usage error or a broken rule prints on rank 0 only; every rank exits."""
+    rank, world, _ = world_from_env()
+    parser = build_parser(description)
+    with open(os.devnull, "w") as sink, redirect_stdout(sink if rank else sys.stdout), \
+            redirect_stderr(sink if rank else sys.stderr):
+        args = parser.parse_args(argv)  # exits on --help and on a malformed flag
+    try:
+        return check_config(args, world, torch.cuda.is_available())
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 def positive(args, *flags):
     for flag in flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value < 1:
-            raise ConfigError(f"{flag} {value} must be at least 1")
+        if not value > 0:  # also refuses nan
+            raise ConfigError(f"{flag} {value} must be positive")
 
 
 def check_device(device: str, cuda_available: bool):
@@ -87,20 +110,27 @@ def check_schedule(args):
     if args.microbatches % args.pp:
         raise ConfigError(f"--microbatches {args.microbatches} must be a multiple of --pp {args.pp} "
                           "for the interleaved schedule")
-    if args.p2p == "ordered":
-        # Even/odd ordering pairs one exchange between two neighbours. An interleaved exchange talks to
-        # both ring neighbours at once, and tests/replay.py finds cyclic waits (odd pp: ranks pp-1 and 0
-        # share a parity; m = pp >= 6 too). Posting everything together is always safe.
-        raise ConfigError("--p2p ordered cannot run the interleaved schedule: its exchanges with both ring "
-                          "neighbours at once can deadlock under even/odd ordering; use --p2p batched")
 
 
-def check_data(args):
+def check_files(args):
+    """The data must exist and outs must have somewhere to go, before the run rather than after it."""
     if args.data and not os.path.isfile(args.data):
         raise ConfigError(f"--data {args.data} is not a file")
-    size = os.path.getsize(args.data) if args.data else DEFAULT_CORPUS_BYTES
+    size, source = ((os.path.getsize(args.data), f"--data {args.data}") if args.data
+                    else (DEFAULT_CORPUS_BYTES, "the default corpus"))
     if size < args.seq_len + 2:
-        raise ConfigError(f"--data {args.data} has {size} bytes, fewer than --seq-len {args.seq_len} + 2")
+        raise ConfigError(f"{source} has {size} bytes, fewer than --seq-len {args.seq_len} + 2")
+    for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
+
+
+def check_numbers(args):
+    positive(args, "--pp", "--dp", "--batch-size", "--microbatches", "--virtual-stages", "--seq-len", "--layers", "--hidden", "--heads",
+             "--steps", "--lr", "--timeout")
+    if not math.isfinite(args.lr) or not math.isfinite(args.timeout):
+        raise ConfigError(f"--lr {args.lr} and --timeout {args.timeout} must be finite")
 
 
 def check_config(args, world_size: int, cuda_available: bool):
@@ -109,8 +139,7 @@ def check_config(args, world_size: int, cuda_available: bool):
         args.pp = max(world_size // max(args.dp, 1), 1)
     if args.schedule is None:
         args.schedule = "interleaved" if args.virtual_stages > 1 else "1f1b"
-    positive(args, "--pp", "--dp", "--batch-size", "--microbatches", "--virtual-stages", "--seq-len", "--layers",
-             "--hidden", "--heads", "--steps")
+    check_numbers(args)
     if args.pp * args.dp != world_size:
         raise ConfigError(f"--pp {args.pp} x --dp {args.dp} = {args.pp * args.dp} must equal the world size "
                           f"{world_size} (torchrun --nproc_per_node)")
@@ -121,5 +150,5 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_schedule(args)
     check_device(args.device, cuda_available)
     check_model(args)
-    check_data(args)
+    check_files(args)
     return args

@@ -1,121 +1,153 @@
 """Point-to-point communication between neighbouring pipeline stages.
 
-The verbs of every pipeline schedule (names as in Megatron-LM):
+The four verbs of every pipeline schedule (names as in Megatron-LM):
 
     recv_forward   receive this microbatch's input activation from the previous stage
     send_forward   send this stage's output activation to the next stage
     recv_backward  receive d(loss)/d(output) from the next stage
     send_backward  send d(loss)/d(input) to the previous stage
 
-the two combined verbs of the 1F1B steady state:
+All four are one call of `communicate`, Megatron's `_communicate`: optionally
+send an activation to the next rank and a gradient to the previous one,
+optionally receive an activation from the previous rank and a gradient from the
+next one. Later steps combine several of these in one call; the worker stays
+the same. At the ends of the pipeline the verbs do nothing (a receive returns
+None): the first stage reads tokens, the last stage starts from its loss.
 
-    send_forward_recv_backward   send output of microbatch i, receive the gradient of microbatch j
-    send_backward_recv_forward   send input gradient of microbatch j, receive input of microbatch i
+Step 04 adds the two combined verbs of the 1F1B steady state, each one exchange:
 
-and the verb of the interleaved schedule, `exchange_ring`: any of the four
-transfers at once, with ring neighbours, because with virtual stages the
-activations go round the pipeline v times (the last rank feeds the first).
-
-Receives need a buffer of known shape and dtype: both neighbours know the
-microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
-sent. At the ends of the pipeline a verb does nothing (a receive returns None).
+    send_forward_recv_backward   send the newest output, receive the gradient of the oldest microbatch
+    send_backward_recv_forward   send an input gradient, receive the next microbatch's input
 
 Why combined verbs, and why an ordering. In the steady state stage s sends an
-activation to s+1 while s+1 sends a gradient to s. If both post a blocking send
-first, each waits for the other to receive: deadlock (NCCL sends of large
-tensors block until matched; we must assume every send can). Two cures:
+activation to s+1 while s+1 sends a gradient to s. If each side waited for its
+send to complete before it received, both would wait for ever (NCCL sends of
+large tensors block until matched; we must assume every send can). Two cures:
 
-    batched  post the send and the receive together with batch_isend_irecv;
-             neither waits for the other before posting.
-    ordered  Megatron's even/odd rule: even stages send then receive, odd
-             stages receive then send. Neighbours have opposite parity, so one
-             side's first operation always meets the other side's first.
+    batched  post the sends and receives together with batch_isend_irecv, one
+             fused operation: nothing waits for anything else to be posted.
+    ordered  Megatron's even/odd rule (its _p2p_ops): post non-blocking isend and
+             irecv one by one, even stages send first and odd stages receive
+             first, then wait for all. On one NCCL stream the operations of a
+             rank complete in the order they were posted, so the order matters;
+             neighbours have opposite parity, so each rank's first operation
+             meets its neighbour's first.
+
+Step 05 adds the verb of the interleaved schedule, Megatron's
+send_forward_backward_recv_forward_backward: all four transfers in one
+exchange. With virtual stages activations go round the ring of ranks v times,
+so here the last rank's next rank is rank 0: the neighbours were a ring from
+step 03 on.
+
+A receive needs a buffer of known shape and dtype: both neighbours know the
+microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
+sent. No message carries a label either: two ranks agree on what the k-th
+message between them is because both run the same schedule.
 """
+from collections import Counter
+
 import torch
 import torch.distributed as dist
+
+from distributed import PeerTimeout
 
 ORDERINGS = ("batched", "ordered")
 
 
 class PipelineComm:
     def __init__(self, pgm, shape, dtype, device, timeline, ordering="batched"):
-        self.pgm, self.shape, self.dtype, self.device, self.timeline = pgm, shape, dtype, device, timeline
+        self.stage, self.num_stages = pgm.stage, pgm.pp
+        self.prev_rank, self.next_rank = pgm.prev_rank, pgm.next_rank
+        self.shape, self.dtype, self.device, self.timeline = shape, dtype, device, timeline
         self.ordering = ordering
+        self.received = Counter()  # activations and gradients received so far this step, for errors
 
-    def post(self, ops, labels):
-        """Post operations together and wait until all completed, i.e. their peers matched them.
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
 
-        labels[i] = (direction, what, microbatch) of ops[i]: for the timeline, and for
-        the tests, which replace this method to replay a schedule without a model.
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def begin_step(self):
+        """Count messages from zero again: the k-th activation of a step is the k-th microbatch's."""
+        self.received.clear()
+
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """Send and receive with both neighbours at once; return (from_prev, from_next).
+
+        send_next: an output activation for the next rank; send_prev: an input gradient for the
+        previous rank. recv_prev / recv_next: receive an activation / a gradient (else None).
         """
-        kinds = {direction for direction, _, _ in labels}
-        kind = kinds.pop() if len(kinds) == 1 else "sendrecv"
-        microbatch = labels[0][2] if len(labels) == 1 else tuple(mb for _, _, mb in labels)
-        with self.timeline.span(kind, microbatch, kind_of="/".join(what for _, what, _ in labels)):
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        from_prev = self._buffer() if recv_prev else None
+        from_next = self._buffer() if recv_next else None
+        # Megatron's order: send next, receive previous, send previous, receive next.
+        ops = [dist.P2POp(dist.isend, send_next.detach(), self.next_rank) if send_next is not None else None,
+               dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
+               dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
+               dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
+        if any(op is not None for op in ops):
+            kind, what = self._describe(ops)
+            with self.timeline.span(kind, what=what):
+                self._post(ops)
+        return from_prev, from_next
 
-    def _exchange(self, sends, recvs):
-        """Run sends and receives, each (tensor, peer, what, microbatch), in this rank's ordering."""
-        send_ops = [(dist.P2POp(dist.isend, t.detach().contiguous(), peer), ("send", what, mb))
-                    for t, peer, what, mb in sends]
-        recv_ops = [(dist.P2POp(dist.irecv, t, peer), ("recv", what, mb)) for t, peer, what, mb in recvs]
+    def _buffer(self):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def _post(self, ops):
+        """Start the operations together, then wait until every peer has matched its part."""
         if self.ordering == "batched":
-            groups = [send_ops + recv_ops]  # everything posted at once
-        else:
-            first, second = (send_ops, recv_ops) if self.pgm.stage % 2 == 0 else (recv_ops, send_ops)
-            groups = [[op] for op in first + second]  # one blocking operation at a time
-        for group in groups:
-            self.post([op for op, _ in group], [label for _, label in group])
+            works = dist.batch_isend_irecv([op for op in ops if op is not None])
+        else:  # odd stages swap each pair: receive previous, send next, receive next, send previous
+            order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
+            works = [op.op(op.tensor, op.peer) for op in order if op is not None]  # dist.isend / dist.irecv
+        self._wait(works, ops)
 
-    def _call(self, send=None, send_to=None, send_mb=None, recv_from=None, recv_mb=None, what=("", "")):
-        """The one verb behind all others: optionally send to one peer, optionally receive from one."""
-        sends = [] if send_to is None else [(send, send_to, what[0], send_mb)]
-        buffer = None if recv_from is None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        recvs = [] if buffer is None else [(buffer, recv_from, what[1], recv_mb)]
-        if sends or recvs:
-            self._exchange(sends, recvs)
-        return buffer
+    def _wait(self, works, ops):
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:  # the process group's timeout expired
+            raise PeerTimeout(self._timeout_message(ops)) from err
+        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
 
-    def recv_forward(self, mb):
-        return self._call(recv_from=self.pgm.prev_rank, recv_mb=mb, what=("", "activation"))
+    def _describe(self, ops):
+        """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
+        names = ["send activation", "recv activation", "send gradient", "recv gradient"]
+        present = [name for name, op in zip(names, ops) if op is not None]
+        directions = {name.split()[0] for name in present}
+        return (directions.pop() if len(directions) == 1 else "sendrecv"), " + ".join(present)
 
-    def send_forward(self, output, mb):
-        self._call(output, self.pgm.next_rank, mb, what=("activation", ""))
+    def _timeout_message(self, ops):
+        """Who waited for what: the k-th activation or gradient of this step, from which rank."""
+        waits = [f"{what} {self.received[what]} of this step from rank {peer}" for what, peer, op in
+                 (("activation", self.prev_rank, ops[1]), ("gradient", self.next_rank, ops[3])) if op is not None]
+        waits += [f"rank {peer} to take {what}" for what, peer, op in
+                  (("an activation", self.next_rank, ops[0]), ("a gradient", self.prev_rank, ops[2])) if op is not None]
+        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"
 
-    def recv_backward(self, mb):
-        return self._call(recv_from=self.pgm.next_rank, recv_mb=mb, what=("", "gradient"))
+    def recv_forward(self):
+        return None if self.is_first else self.communicate(recv_prev=True)[0]
 
-    def send_backward(self, input_grad, mb):
-        self._call(input_grad, self.pgm.prev_rank, mb, what=("gradient", ""))
+    def send_forward(self, output):
+        if not self.is_last:
+            self.communicate(send_next=output)
 
-    def send_forward_recv_backward(self, output, send_mb, recv_mb):
-        next_rank = self.pgm.next_rank
-        return self._call(output, next_rank, send_mb, next_rank, recv_mb, what=("activation", "gradient"))
+    def recv_backward(self):
+        return None if self.is_last else self.communicate(recv_next=True)[1]
 
-    def send_backward_recv_forward(self, input_grad, send_mb, recv_mb):
-        prev_rank = self.pgm.prev_rank
-        return self._call(input_grad, prev_rank, send_mb, prev_rank, recv_mb, what=("gradient", "activation"))
+    def send_backward(self, input_grad):
+        if not self.is_first:
+            self.communicate(send_prev=input_grad)
 
-    def exchange_ring(self, output=None, input_grad=None, recv_input=None, recv_grad=None):
-        """Send and receive any of: an output to the next rank, an input gradient to the previous
-        rank, an input from the previous rank, an output gradient from the next rank.
+    def send_forward_recv_backward(self, output):
+        return None if self.is_last else self.communicate(send_next=output, recv_next=True)[1]
 
-        output, input_grad: (tensor, label) or None; recv_input, recv_grad: label or None.
-        A label names the boundary between model chunks g and g+1 and the microbatch: (g, mb).
-        Returns (input, output_grad), None for what was not received.
-        """
-        pgm, sends, recvs, x, grad = self.pgm, [], [], None, None
-        if output is not None:
-            sends.append((output[0], pgm.next_rank_ring, "activation", output[1]))
-        if input_grad is not None:
-            sends.append((input_grad[0], pgm.prev_rank_ring, "gradient", input_grad[1]))
-        if recv_input is not None:
-            x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            recvs.append((x, pgm.prev_rank_ring, "activation", recv_input))
-        if recv_grad is not None:
-            grad = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            recvs.append((grad, pgm.next_rank_ring, "gradient", recv_grad))
-        if sends or recvs:
-            self._exchange(sends, recvs)
-        return x, grad
+    def send_backward_recv_forward(self, input_grad):
+        return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
+
+    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev, recv_next):
+        """Any of the four transfers with both ring neighbours in one exchange; returns (input, output_grad)."""
+        return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)

@@ -30,12 +30,11 @@ class ProcessGroupManager:
             group = dist.new_group([s * dp + d for d in range(dp)], timeout=timeout)
             if s == self.stage:
                 self.dp_group = group
-        self.prev_rank = rank - dp if self.stage > 0 else None
-        self.next_rank = rank + dp if self.stage < pp - 1 else None
+        # Neighbours in this rank's pipeline, as a ring: the last stage's next is the first stage.
+        # Schedules never send past the ends until step 05, where activations go round the ring.
+        self.next_rank = ((self.stage + 1) % pp) * dp + self.dp_rank
+        self.prev_rank = ((self.stage - 1) % pp) * dp + self.dp_rank
         self.last_stage_rank = (pp - 1) * dp + self.dp_rank
-        # Virtual stages go round the pipeline more than once: the last stage feeds the first.
-        self.next_rank_ring = ((self.stage + 1) % pp) * dp + self.dp_rank
-        self.prev_rank_ring = ((self.stage - 1) % pp) * dp + self.dp_rank
 
     @property
     def is_first(self) -> bool:

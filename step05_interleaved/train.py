@@ -8,68 +8,78 @@ schedule keeps every rank busy with a different chunk while the pipeline fills.
 --virtual-stages 1 runs step 04's schedules (1f1b or afab) on the same code.
 """
 import json
-import sys
 import time
+from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, build_parser, check_config
+from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, peak_memory_bytes, reset_peak_memory, shutdown, world_from_env
+from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from data_parallel import average_gradients
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager, describe_rank
-from schedule import SCHEDULES, bubble_formula, peak_microbatches_in_flight
+from schedule import SCHEDULES, bubble_formula, peak_stored_microbatches
 from stage import PipelineStage, VirtualStages
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
     """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
-    args = build_parser().parse_args(argv)
-    rank, world, _ = world_from_env()
-    try:
-        return check_config(args, world, torch.cuda.is_available())
-    except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    return parse_flags(argv, __doc__)
 
 
 def model_config(args) -> ModelConfig:
     return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
 
 
-def build(args, device):
-    """This rank's place in the grid, its model chunks (virtual stages), optimizer, data, timeline and meters."""
-    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout)
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+    args: object
+    device: torch.device
+    pgm: ProcessGroupManager
+    model: torch.nn.Module  # all of this rank's parameters, named as in the whole model
+    optimizer: torch.optim.Optimizer
+    stages: list  # this rank's PipelineStages
+    comm: PipelineComm
+    tokens: torch.Tensor
+    timeline: Timeline
+    meter: ActivationMeter
+
+
+def build_model(args, pgm):
+    """This rank's model chunks (virtual stages): global chunks stage, stage + pp, stage + 2 pp, ..."""
     n_chunks = args.pp * args.virtual_stages
     layers_of_chunk = split_layers(args.layers, n_chunks)
-    my_chunks = [c * args.pp + pgm.stage for c in range(args.virtual_stages)]  # global chunk indices
-    chunks = [Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
-                          seed=args.seed) for g in my_chunks]
-    model = VirtualStages(chunks).to(device)
+    return VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
+                                     seed=args.seed) for g in range(pgm.stage, n_chunks, args.pp))
+
+
+def build(args, device) -> Run:
+    """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout)
+    model = build_model(args, pgm).to(device)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
-    stages = [PipelineStage(chunk, g == 0, g == n_chunks - 1, args.microbatches, args.recompute, args.deallocate,
-                            timeline, meter, chunk=c) for c, (g, chunk) in enumerate(zip(my_chunks, model))]
-    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)
+    stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
+                            timeline=timeline, meter=meter) for c, chunk in enumerate(model)]
+    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
-    return SimpleNamespace(args=args, device=device, pgm=pgm, model=model, optimizer=optimizer, stages=stages,
-                           comm=comm, tokens=load_tokens(args.data), timeline=timeline, meter=meter)
+    return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
-def replica_shard(run, batch):
-    """This data-parallel replica's rows of the global batch, split into microbatches."""
+def replica_microbatches(run, inputs, targets):
+    """This data-parallel replica's rows of the global batch, as m (tokens, targets) microbatches."""
     rows = run.args.batch_size // run.args.dp
-    shard = batch[run.pgm.dp_rank * rows : (run.pgm.dp_rank + 1) * rows].to(run.device)
-    return shard.chunk(run.args.microbatches)
+    mine = slice(run.pgm.dp_rank * rows, (run.pgm.dp_rank + 1) * rows)
+    return list(zip(inputs[mine].to(run.device).chunk(run.args.microbatches),
+                    targets[mine].to(run.device).chunk(run.args.microbatches)))
 
 
 def share_loss(run, loss):
@@ -87,11 +97,9 @@ def compute_gradients(run, step: int) -> float:
     """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
-    schedule = SCHEDULES[run.args.schedule]
-    # The interleaved schedule drives all of this rank's chunks; afab and 1f1b the only one.
-    stages = run.stages if run.args.schedule == "interleaved" else run.stages[0]
-    loss = schedule(stages, run.comm, replica_shard(run, inputs), replica_shard(run, targets),
-                    lambda: average_gradients(run.model, run.pgm, run.timeline))
+    run.comm.begin_step()
+    loss = SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets),
+                                        lambda: average_gradients(run.model, run.pgm, run.timeline))
     return share_loss(run, loss)
 
 
@@ -108,7 +116,7 @@ def train_step(run, step: int) -> dict:
     elapsed = time.perf_counter() - start
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_microbatches))
+                                   run.meter.peak_stored_microbatches))
     tokens = run.args.batch_size * run.args.seq_len
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed,
                 peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
@@ -117,12 +125,10 @@ def train_step(run, step: int) -> dict:
 
 def memory_report(args, record):
     """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    formula = {"afab": "m", "1f1b": "min(p-stage, m)",
-               "interleaved": "min(2(p-stage-1) + (v-1)p + 1, v*m), counting (chunk, microbatch) pairs"}
-    lines = [f"activation memory, {args.schedule} (formula: {formula[args.schedule]})"]
+    text, _ = peak_stored_microbatches(args, 0)
+    lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        expected = peak_microbatches_in_flight(args.schedule, args.pp, rank // args.dp, args.microbatches,
-                                               args.virtual_stages)
+        _, expected = peak_stored_microbatches(args, rank // args.dp)
         lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): peak {count} microbatches "
                      f"(formula {expected}), {size / 2**20:.2f} MiB")
     return lines
@@ -134,7 +140,7 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    text, value = bubble_formula(run.args.pp, run.args.microbatches, run.args.virtual_stages)
+    text, value = bubble_formula(run.args)
     label = partial(describe_rank, dp=run.args.dp)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
     if run.args.trace:
@@ -142,8 +148,7 @@ def report(run, last_record):
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
@@ -157,6 +162,12 @@ def main(argv=None):
     if log:
         log.close()
     report(run, record)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors(args.timeout):
+        train(args)
     shutdown()
 
 

@@ -5,6 +5,9 @@
 points the tests of step 02 at your own copy of that folder (see README,
 "The tests as exercises"). The option can be given once per step.
 """
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +38,35 @@ def pytest_configure(config):
 def step_dirs(request):
     """Folder to test for each step name: the course's own, or the learner's copy."""
     return request.config.step_dirs
+
+
+@pytest.fixture(scope="session")
+def replay_report(step_dirs):
+    """report(step) -> the JSON report of tests/replay.py on that step (run once), or None before step 04."""
+    cache = {}
+
+    def report(step):
+        if step not in cache:
+            if not (step_dirs[step] / "schedule.py").exists() or step < "step04":
+                cache[step] = None
+            else:
+                done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), str(step_dirs[step])],
+                                      capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, done.stderr[-3000:]
+                cache[step] = json.loads(done.stdout)
+        return cache[step]
+
+    return report
+
+
+@pytest.fixture(scope="session")
+def replay_passes(replay_report):
+    """check(step): fail at once, without launching processes, if the step's schedules fail the replay."""
+
+    def check(step):
+        report = replay_report(step)
+        if report and report["problems"]:
+            pytest.fail(f"{step}: the schedule replay fails, so no process is launched; first problem: "
+                        f"{report['problems'][0]} (run: python tests/replay.py {step})", pytrace=False)
+
+    return check

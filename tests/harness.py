@@ -89,8 +89,24 @@ def tail(text: str, n: int = 15) -> str:
 
 
 def run_cases(step_dir: Path, world: int, cases, out: Path, timeout: float = 240):
-    """All `cases` (lists of flags) of one step and world size, in one process group."""
-    launch([sys.executable, str(WORKER), str(step_dir), str(out), json.dumps(cases)], world, out, timeout)
+    """All `cases` (lists of flags) of one step and world size, in one process group.
+
+    Returns {case index: None if it finished, else why not}: a failed launch fails the case it
+    stopped in, and the cases after it were never run.
+    """
+    try:
+        launch([sys.executable, str(WORKER), str(step_dir), str(out), json.dumps(cases)], world, out, timeout)
+        return {i: None for i in range(len(cases))}
+    except RunFailed as failure:
+        done = [i for i in range(len(cases)) if case_finished(out / f"case{i}", world)]
+        stopped = next((i for i in range(len(cases)) if i not in done), len(cases))
+        return {i: None if i in done else
+                (str(failure) if i == stopped else f"not run: the launch stopped in the case [{' '.join(cases[stopped])}]")
+                for i in range(len(cases))}
+
+
+def case_finished(case_dir: Path, world: int) -> bool:
+    return (case_dir / "reference.pt").exists() and all((case_dir / f"rank{r}.pt").exists() for r in range(world))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

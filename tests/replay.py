@@ -2,101 +2,198 @@
 
     python tests/replay.py STEP_DIR   ->  prints a JSON report
 
-The step's own schedule functions run against a fake stage (forward/backward
-only record themselves) and its own PipelineComm, whose `post` is replaced so
-that it records each group of point-to-point operations instead of sending.
-Then, for every allowed configuration:
+The step's own code runs: its ProcessGroupManager, PipelineComm and schedule
+functions, for every simulated rank of a pipeline. Two things are fake:
 
-  * every microbatch (and model chunk) runs forward once and backward once, forward first;
-  * the number of forwards before the first backward is the warm-up count plus one;
-  * gradients are synchronised exactly once, right after the rank's last backward;
-  * the peak number of microbatches in flight is the schedule's memory formula;
-  * the ranks' operation groups, executed as rendezvous (a send completes only when the
-    peer's matching receive is posted, as with large NCCL messages), all complete, and
-    every send meets a receive for the same tensor (kind and microbatch): no deadlock.
+  * torch.distributed's point-to-point calls underneath (FakeDist, installed as
+    the `dist` of the step's p2p.py and process_groups.py): posting an operation
+    only records it;
+  * the stages (FakeStage): a forward or backward records itself and returns a
+    tensor that says what it is, (kind, model chunk, microbatch).
 
-A schedule that posts both neighbours' sends first must be found to deadlock:
-that shows the simulator can fail.
+Each rank runs its schedule to the end alone. Then the ranks' posted operations
+are matched the way NCCL matches them:
+
+  * a rank's operations complete in the order they were posted, as on one NCCL
+    stream; the operations of one batch_isend_irecv are one fused group;
+  * the k-th send from rank r to rank q meets the k-th receive on q from r;
+  * a send and its receive can meet only when both are in the group at the head
+    of their rank's stream. No head can move while operations remain: deadlock.
+
+Matching fills every receive with what its send carried. Each fake stage then
+checks what it consumed: the forward of microbatch mb on model chunk g must have
+received chunk g-1's activation of mb, its backward chunk g+1's gradient of mb.
+So a swapped message or a backward of the wrong microbatch is caught, although
+no message carries a label.
+
+Negative controls, which the checker must catch: every rank posting its sends
+first, one at a time; two sends from one rank to its neighbour posted in swapped
+order; with pp 2, an activation and a gradient between the same two ranks
+swapped inside one batch; one backward run for the wrong microbatch.
 """
 import json
 import os
 import sys
 import time
-from types import SimpleNamespace
+from argparse import Namespace
+from collections import defaultdict, deque
 
 import torch
 
+import formulas
+
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
+ACTIVATION, GRADIENT, TOKENS = 1.0, 2.0, 3.0
+
+
+def tag(kind, chunk, mb):
+    return torch.tensor([kind, float(chunk), float(mb)])
+
+
+class Op:
+    """One posted send or receive."""
+
+    def __init__(self, is_send, tensor, peer, rank):
+        self.is_send, self.peer, self.rank = is_send, peer, rank
+        self.tensor = tensor.clone() if is_send else tensor  # a send's content as it was when posted
+        self.content = None  # a receive's content, once matched
+
+
+class Work:
+    def wait(self, timeout=None):
+        return True
+
+
+class FakeDist:
+    """What p2p.py and process_groups.py see of torch.distributed during a replay.
+
+    send_first: every batch is posted as single operations, sends first (the deadlocking foil).
+    swap_on: on this rank, every batch is posted in reverse order (messages swapped between a pair).
+    """
+
+    def __init__(self, send_first=False, swap_on=None):
+        self.send_first, self.swap_on = send_first, swap_on
+        self.rank, self.streams = 0, defaultdict(list)  # rank -> posted groups, in order
+
+    # process groups
+    def get_rank(self):
+        return self.rank
+
+    def new_group(self, ranks, timeout=None):
+        return tuple(ranks)
+
+    # point-to-point
+    def P2POp(self, op, tensor, peer, group=None):  # noqa: N802 (torch's name)
+        return Namespace(op=op, tensor=tensor, peer=peer)
+
+    def isend(self, tensor, dst, group=None):
+        return self._post([Op(True, tensor, dst, self.rank)])[0]
+
+    def irecv(self, tensor, src, group=None):
+        return self._post([Op(False, tensor, src, self.rank)])[0]
+
+    def batch_isend_irecv(self, ops):
+        posted = [Op(op.op == self.isend, op.tensor, op.peer, self.rank) for op in ops]
+        if self.rank == self.swap_on:
+            posted.reverse()
+        if self.send_first:
+            return [w for op in sorted(posted, key=lambda o: not o.is_send) for w in self._post([op])]
+        return self._post(posted)
+
+    def _post(self, group):
+        self.streams[self.rank].append(group)
+        return [Work() for _ in group]
+
+    def last_receive_into(self, tensor):
+        """The latest receive this rank posted into `tensor` (buffers may be reused)."""
+        for group in reversed(self.streams[self.rank]):
+            for op in reversed(group):
+                if not op.is_send and op.tensor is tensor:
+                    return op
+        return None
+
+
+def match(streams, n_ranks):
+    """Complete the ranks' posted groups as NCCL would; return a list of problems (empty: all completed)."""
+    heads = [0] * n_ranks
+    unmatched = {r: [list(g) for g in streams[r]] for r in range(n_ranks)}
+    sends, recvs = defaultdict(deque), defaultdict(deque)  # (from, to) -> ops in posting order
+    group_of = {}
+    for r in range(n_ranks):
+        for i, group in enumerate(streams[r]):
+            for op in group:
+                group_of[id(op)] = i
+                (sends[r, op.peer] if op.is_send else recvs[op.peer, r]).append(op)
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n_ranks):
+            while heads[r] < len(streams[r]) and not unmatched[r][heads[r]]:
+                heads[r] += 1  # a completed group lets the next one start
+                progress = True
+            if heads[r] == len(streams[r]):
+                continue
+            for op in [o for o in unmatched[r][heads[r]] if o.is_send]:
+                q = op.peer
+                if sends[r, q][0] is not op or not recvs[r, q]:
+                    continue  # an older send to q is still waiting, or q posted no receive yet
+                recv = recvs[r, q][0]
+                if heads[q] < len(streams[q]) and group_of[id(recv)] == heads[q]:
+                    recv.content = op.tensor
+                    sends[r, q].popleft()
+                    recvs[r, q].popleft()
+                    unmatched[r][heads[r]].remove(op)
+                    unmatched[q][heads[q]].remove(recv)
+                    progress = True
+    stuck = {r: [("send to" if o.is_send else "recv from", o.peer) for o in unmatched[r][heads[r]]]
+             for r in range(n_ranks) if heads[r] < len(streams[r]) and unmatched[r][heads[r]]}
+    return [f"deadlock: each rank waits at the head of its stream for {stuck}"] if stuck else []
 
 
 class FakeStage:
-    """Records forwards and backwards; returns placeholder tensors."""
+    """Records its forwards and backwards, checks what it was given, returns tagged tensors."""
 
-    def __init__(self, log, is_first, is_last, chunk=None):
-        self.log, self.is_first, self.is_last, self.chunk = log, is_first, is_last, chunk
-        self.recompute = False
+    def __init__(self, log, dist, chunk, global_chunk, n_chunks, microbatches):
+        self.log, self.dist, self.chunk, self.g = log, dist, chunk, global_chunk
+        self.is_first, self.is_last = global_chunk == 0, global_chunk == n_chunks - 1
+        self.recompute, self.microbatches = False, microbatches
+
+    def _given(self, tensor, expected, what):
+        """Remember what a consumed tensor should hold; a received one is judged after matching."""
+        received = self.dist.last_receive_into(tensor)
+        self.log.append(("expect", what, received if received is not None else tensor, expected))
 
     def forward(self, mb, x, target):
-        self.log.append(("F", mb if self.chunk is None else (self.chunk, mb)))
-        return torch.zeros(1)
+        self.log.append(("F", (self.chunk, mb)))
+        expected = tag(TOKENS, 0, mb) if self.is_first else tag(ACTIVATION, self.g - 1, mb)
+        self._given(x, expected, f"forward of chunk {self.g} microbatch {mb}")
+        return tag(ACTIVATION, self.g, mb)
 
     def backward(self, mb, x, out, out_grad):
-        self.log.append(("B", mb if self.chunk is None else (self.chunk, mb)))
-        return torch.zeros(1)
+        self.log.append(("B", (self.chunk, mb)))
+        if self.is_last:  # the schedule seeds the loss's backward with 1/m
+            expected = torch.full_like(out_grad, 1 / self.microbatches)
+        else:
+            expected = tag(GRADIENT, self.g + 1, mb)
+        self._given(out_grad, expected, f"backward of chunk {self.g} microbatch {mb}")
+        return tag(GRADIENT, self.g, mb)
 
     def deallocate_output(self, mb, out):
         pass
 
 
-def recording_comm(p2p, pgm, log, send_first=False):
-    """The step's PipelineComm, posting into `log` instead of the network."""
-
-    class RecordingComm(p2p.PipelineComm):
-        def post(self, ops, labels):
-            log.append(("P2P", [(direction, op.peer, what, mb) for op, (direction, what, mb) in zip(ops, labels)]))
-
-        if send_first:  # the broken ordering: every rank sends before it receives, as an even stage does
-            def _exchange(self, sends, recvs):
-                real, self.pgm = self.pgm, SimpleNamespace(**{**vars(self.pgm), "stage": 0})
-                try:
-                    super()._exchange(sends, recvs)
-                finally:
-                    self.pgm = real
-
-    return RecordingComm(pgm, (1,), torch.float32, "cpu", timeline=None)
-
-
-def p2p_groups(log):
-    return [entry[1] for entry in log if entry[0] == "P2P"]
-
-
-def simulate(groups_per_rank):
-    """Run every rank's P2P groups as rendezvous; return a list of problems (empty: all fine)."""
-    pos = [0] * len(groups_per_rank)
-    pending = [list(g[0]) if g else [] for g in groups_per_rank]
-    problems, progress = [], True
-    while progress:
-        progress = False
-        for r, ops in enumerate(pending):
-            for op in list(ops):
-                direction, peer, what, mb = op
-                want = "recv" if direction == "send" else "send"
-                match = next((o for o in pending[peer] if o[0] == want and o[1] == r), None)
-                if match is None:
-                    continue
-                if (match[2], match[3]) != (what, mb):
-                    problems.append(f"rank {r} {direction} {what} {mb} met rank {peer} {want} {match[2:]}")
-                ops.remove(op)
-                pending[peer].remove(match)
-                progress = True
-        for r in range(len(pending)):
-            while not pending[r] and pos[r] < len(groups_per_rank[r]):
-                pos[r] += 1
-                pending[r] = list(groups_per_rank[r][pos[r]]) if pos[r] < len(groups_per_rank[r]) else []
-                progress = True
-    stuck = {r: ops for r, ops in enumerate(pending) if ops}
-    if stuck:
-        problems.append(f"deadlock: waiting {stuck}")
+def check_consumed(log):
+    """After matching: every tensor a fake stage consumed held what it expected."""
+    problems = []
+    for entry in log:
+        if entry[0] != "expect":
+            continue
+        _, what, source, expected = entry
+        got = source.content if isinstance(source, Op) else source
+        if got is None:
+            problems.append(f"{what} consumed a receive that no send matched")
+        elif not torch.equal(got, expected):
+            problems.append(f"{what} got {got.tolist()}, expected {expected.tolist()}")
     return problems
 
 
@@ -132,101 +229,128 @@ def check_compute_order(log, expected_count, expected_warmup, expected_peak):
     return problems
 
 
-def replay(step, pp, microbatches, schedule, ordering, virtual=1, send_first=False):
-    """Every rank's log (compute and P2P groups) for one configuration."""
-    logs = []
-    for stage in range(pp):
-        log = []
-        pgm = SimpleNamespace(pp=pp, dp=1, stage=stage, dp_rank=0, is_first=stage == 0, is_last=stage == pp - 1,
-                              prev_rank=stage - 1 if stage > 0 else None,
-                              next_rank=stage + 1 if stage < pp - 1 else None,
-                              prev_rank_ring=(stage - 1) % pp, next_rank_ring=(stage + 1) % pp)
-        comm = recording_comm(step.p2p, pgm, log, send_first)
-        comm.ordering = "ordered" if send_first else ordering
-        step.run_schedule(schedule, comm, pgm, log, microbatches, virtual)
-        logs.append(log)
-    return logs
+class Step:
+    """A step folder's modules, loaded once, and how to replay its schedules."""
+
+    def __init__(self, step_dir):
+        sys.path.insert(0, os.path.abspath(step_dir))
+        import config
+        import p2p
+        import process_groups
+        import schedule
+        import timeline
+        self.config, self.p2p, self.groups, self.schedule, self.timeline = config, p2p, process_groups, schedule, timeline
+        self.parser = config.build_parser()
+
+    def args(self, name, pp, m, virtual, ordering):
+        flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
+                 "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering]
+        if virtual > 1:
+            flags += ["--virtual-stages", str(virtual)]
+        return self.parser.parse_args(flags)
+
+    def allowed(self, name, pp, m, virtual, ordering):
+        """Whether the step's own rules (its config.check_config) accept this configuration."""
+        try:
+            self.config.check_config(self.args(name, pp, m, virtual, ordering), pp, False)
+            return True
+        except self.config.ConfigError:
+            return False
+
+    def replay(self, name, pp, m, ordering, virtual=1, dist=None, wrong_backward_on=None):
+        """Every rank's log for one configuration, and the fake transport that holds their streams."""
+        dist = dist or FakeDist()
+        self.p2p.dist = self.groups.dist = dist
+        logs = []
+        for rank in range(pp):
+            dist.rank, log = rank, []
+            pgm = self.groups.ProcessGroupManager(pp, 1, timeout_s=1)
+            kwargs = {} if ordering is None else {"ordering": ordering}
+            comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", self.timeline.Timeline(enabled=False),
+                                         **kwargs)
+            stages = [FakeStage(log, dist, c, c * pp + rank, pp * virtual, m) for c in range(virtual)]
+            microbatches = [(tag(TOKENS, 0, mb), None) for mb in range(m)]
+            if rank == wrong_backward_on:
+                swap_first_two_backwards(stages)
+            self.schedule.SCHEDULES[name](stages, comm, microbatches, lambda: log.append(("sync",)))
+            logs.append(log)
+        return logs, dist
+
+    def check(self, name, pp, m, ordering, virtual=1):
+        logs, dist = self.replay(name, pp, m, ordering, virtual)
+        problems = match(dist.streams, pp)
+        for stage, log in enumerate(logs):
+            warmup, peak = formulas.warmup(name, pp, stage, m, virtual), formulas.peak_stored(name, pp, stage, m, virtual)
+            problems += [f"stage {stage}: {p}" for p in check_compute_order(log, m * virtual, warmup, peak)]
+            if not problems:
+                problems += [f"stage {stage}: {p}" for p in check_consumed(log)]
+        return [f"{name} pp={pp} m={m} v={virtual} p2p={ordering}: {p}" for p in problems]
+
+    def configurations(self, allowed=True):
+        """All (schedule, pp, m, v, ordering) the step's rules allow (or refuse), up to MAX_PP, MAX_M, MAX_V."""
+        for name in self.schedule.SCHEDULES:
+            for pp in range(1, MAX_PP + 1):
+                for m in range(1, MAX_M + 1):
+                    for virtual in range(2, MAX_V + 1) if name == "interleaved" else [1]:
+                        for ordering in self.p2p.ORDERINGS:
+                            if self.allowed(name, pp, m, virtual, ordering) == allowed:
+                                yield name, pp, m, virtual, ordering
 
 
-def check(step, pp, m, schedule, ordering, virtual=1):
-    logs = replay(step, pp, m, schedule, ordering, virtual)
-    label = f"{schedule} pp={pp} m={m} v={virtual} p2p={ordering}"
-    problems = simulate([p2p_groups(log) for log in logs])
-    for stage, log in enumerate(logs):
-        warmup, peak = step.expected(schedule, pp, stage, m, virtual)
-        problems += [f"stage {stage}: {p}" for p in check_compute_order(log, m * virtual, warmup, peak)]
-    return [f"{label}: {p}" for p in problems]
+def swap_first_two_backwards(stages):
+    """A broken schedule for a negative control: the first two backwards of chunk 0 swap microbatches."""
+    stage = stages[0]
+    original, calls = stage.backward, []
+
+    def backward(mb, x, out, out_grad):
+        calls.append(mb)
+        wrong = {0: 1, 1: 0}.get(mb, mb) if len(calls) <= 2 else mb
+        return original(wrong, x, out, out_grad)
+
+    stage.backward = backward
 
 
-def load_step(step_dir):
-    """The step's modules, and how to drive its schedules (steps with virtual stages take chunks)."""
-    sys.path.insert(0, os.path.abspath(step_dir))
-    import config
-    import p2p
-    import schedule as sched
-
-    def run_schedule(name, comm, pgm, log, m, virtual):
-        sync = lambda: log.append(("sync",))  # noqa: E731
-        inputs = [torch.zeros(1)] * m
-        if virtual == 1 and name in ("afab", "1f1b"):
-            stage = FakeStage(log, pgm.is_first, pgm.is_last)
-            sched.SCHEDULES[name](stage, comm, inputs, inputs, sync)
-        else:
-            stages = [FakeStage(log, pgm.stage == 0 and c == 0, pgm.stage == pgm.pp - 1 and c == virtual - 1, c)
-                      for c in range(virtual)]
-            sched.SCHEDULES[name](stages, comm, inputs, inputs, sync)
-
-    def expected(name, pp, stage, m, virtual):
-        """Warm-up count and peak in flight, written here from the papers' formulas."""
-        if name == "afab":
-            return m, m
-        if name == "1f1b":
-            return min(pp - stage - 1, m), min(pp - stage, m)
-        warmup = min((pp - stage - 1) * 2 + (virtual - 1) * pp, m * virtual)
-        return warmup, min(warmup + 1, m * virtual)
-
-    return SimpleNamespace(config=config, parser=config.build_parser(), p2p=p2p, sched=sched,
-                           run_schedule=run_schedule, expected=expected)
+def swap_first_two_sends(stream):
+    """A broken rank for a negative control: its first two posted groups that send swap places."""
+    first, second = [i for i, group in enumerate(stream) if any(op.is_send for op in group)][:2]
+    stream[first], stream[second] = stream[second], stream[first]
 
 
-def allowed(step, name, pp, m, virtual, ordering):
-    """Whether the step's own rules (its config.check_config) accept this configuration."""
-    flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
-             "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering]
-    if virtual > 1:
-        flags += ["--virtual-stages", str(virtual)]
-    try:
-        step.config.check_config(step.parser.parse_args(flags), pp, False)
-        return True
-    except step.config.ConfigError:
-        return False
+def negative_controls(step):
+    """Each broken variant must be caught; returns {control: caught}."""
+    name = "interleaved" if "interleaved" in step.schedule.SCHEDULES else "1f1b"
+    virtual = 2 if name == "interleaved" else 1
 
+    def caught(pp, logs, dist):
+        return bool(match(dist.streams, pp) or [p for log in logs for p in check_consumed(log)])
 
-def configurations(step):
-    """All (schedule, pp, m, v, ordering) the step's rules allow, up to MAX_PP, MAX_M, MAX_V."""
-    for name in step.sched.SCHEDULES:
-        for pp in range(1, MAX_PP + 1):
-            for m in range(1, MAX_M + 1):
-                for virtual in range(2, MAX_V + 1) if name == "interleaved" else [1]:
-                    for ordering in step.p2p.ORDERINGS:
-                        if allowed(step, name, pp, m, virtual, ordering):
-                            yield name, pp, m, virtual, ordering
+    logs, dist = step.replay(name, 4, 8, "batched", virtual, dist=FakeDist(send_first=True))
+    controls = dict(send_first_deadlocks=any("deadlock" in p for p in match(dist.streams, 4)))
+    logs, dist = step.replay(name, 4, 8, "batched", virtual)
+    swap_first_two_sends(dist.streams[1])  # rank 1 sends microbatch 1 before microbatch 0
+    controls["swapped_sends_caught"] = caught(4, logs, dist)
+    if name == "interleaved":  # pp 2: an activation and a gradient between the same two ranks, one batch
+        logs, dist = step.replay(name, 2, 4, "batched", virtual, dist=FakeDist(swap_on=1))
+        controls["swapped_in_batch_caught"] = caught(2, logs, dist)
+    logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
+    controls["wrong_backward_caught"] = caught(4, logs, dist)
+    return controls
 
 
 def main(step_dir):
-    # P2POp objects are built (never posted) against a default group: a one-process one will do.
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
-    step = load_step(step_dir)
+    step = Step(step_dir)
     start, problems, count = time.perf_counter(), [], 0
-    for name, pp, m, v, ordering in configurations(step):
-        problems += check(step, pp, m, name, ordering, v)
+    for name, pp, m, v, ordering in step.configurations():
+        problems += step.check(name, pp, m, ordering, v)
         count += 1
-    broken_name = "interleaved" if "interleaved" in step.sched.SCHEDULES else "1f1b"
-    broken = replay(step, 4, 8, broken_name, "ordered", 2 if broken_name == "interleaved" else 1, send_first=True)
-    naive_problems = simulate([p2p_groups(log) for log in broken])
-    print(json.dumps(dict(configurations=count, seconds=time.perf_counter() - start, problem_count=len(problems),
-                          problems=problems[:50],
-                          send_first_deadlocks=any("deadlock" in p for p in naive_problems))))
+    # A refused ordering must be one that really fails: the rules refuse no safe configuration.
+    refused_but_safe = [f"{name} pp={pp} m={m} v={v} p2p={ordering}"
+                        for name, pp, m, v, ordering in step.configurations(allowed=False)
+                        if ordering == "ordered" and step.allowed(name, pp, m, v, "batched")
+                        and not step.check(name, pp, m, ordering, v)]
+    print(json.dumps(dict(configurations=count, seconds=round(time.perf_counter() - start, 1),
+                          problem_count=len(problems), problems=problems[:50],
+                          refused_but_safe=refused_but_safe[:50], **negative_controls(step))))
 
 
 if __name__ == "__main__":

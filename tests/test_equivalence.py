@@ -53,21 +53,18 @@ def group_results(step_dirs, tmp_path_factory):
         if (step, world) not in cache:
             flags = [p.values[2] for p in CASES if p.values[:2] == (step, world)]
             out = tmp_path_factory.mktemp(f"{step}-world{world}")
-            try:
-                run_cases(step_dirs[step], world, flags, out, timeout=60 + 20 * len(flags))
-                cache[step, world] = {tuple(f): out / f"case{i}" for i, f in enumerate(flags)}
-            except AssertionError as failure:
-                cache[step, world] = failure
-        if isinstance(cache[step, world], AssertionError):
-            raise cache[step, world]
+            failures = run_cases(step_dirs[step], world, flags, out, timeout=60 + 20 * len(flags))
+            cache[step, world] = {tuple(f): (out / f"case{i}", failures[i]) for i, f in enumerate(flags)}
         return cache[step, world]
 
     return run
 
 
 @pytest.mark.parametrize("step, world, flags", CASES)
-def test_matches_single_device(step, world, flags, group_results):
-    case_dir = group_results(step, world)[tuple(flags)]
+def test_matches_single_device(step, world, flags, group_results, replay_passes):
+    replay_passes(step)
+    case_dir, failure = group_results(step, world)[tuple(flags)]
     label = f"{step} [{' '.join(flags[len(TINY):])}]"
+    assert failure is None, f"{label}: {failure}"
     errors = compare_case(case_dir, world, label)
     assert not errors, "\n".join(errors[:25])

@@ -1,21 +1,17 @@
 """Every step's notebook runs top to bottom on a CPU, in its own kernel, from its own folder."""
-import os
 import time
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import REPO, STEPS
+from conftest import STEPS
 
 NOTEBOOK_BUDGET_S = 180  # a reader on a 2-core laptop waits at most this long
 
 
 @pytest.mark.parametrize("step", STEPS)
-def test_notebook_executes(step, step_dirs, monkeypatch):
-    # Step 05's notebook replays its schedule with tests/replay.py: let a learner's copy find it too.
-    paths = [str(REPO / "tests"), os.environ.get("PYTHONPATH")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+def test_notebook_executes(step, step_dirs):
     path = step_dirs[step] / "notebook.ipynb"
     assert path.is_file(), f"{step} has no notebook.ipynb"
     notebook = nbformat.read(path, as_version=4)

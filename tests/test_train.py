@@ -1,6 +1,7 @@
 """train.py as a user runs it: torchrun with default flags, and bad flags that must fail fast."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from conftest import STEPS
-from harness import REPO, tail
+from harness import REPO, free_port, rank_env
 
 SMOKE_STEPS = 4
 
@@ -23,6 +24,14 @@ def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
 
 def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def ranks_output(done) -> str:
+    """What the ranks printed, without the report torchrun adds after a failure."""
+    text = done.stdout + done.stderr
+    cut = text.find("Traceback (most recent call last):\n  File \"") if "ChildFailedError" in text else -1
+    lines = [line for line in text[: cut if cut >= 0 else None].splitlines() if "torch/distributed/run.py" not in line]
+    return "\n".join(lines[-40:])
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +54,7 @@ def four_stage_run(step_dirs, tmp_path_factory):
 @pytest.mark.parametrize("step", STEPS)
 def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
     done, log, trace = four_stage_run(step)
-    assert done.returncode == 0, tail(done.stdout + done.stderr, 40)
+    assert done.returncode == 0, ranks_output(done)
     assert "bubble" in done.stdout and "formula" in done.stdout
 
     records = read_log(log)
@@ -57,7 +66,7 @@ def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
 
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in range(4):
-        kinds = [e["cat"] for e in events if e.get("tid") == rank and e["ph"] == "X"]
+        kinds = [e["cat"] for e in events if e.get("tid") == rank + 1 and e["ph"] == "X"]
         assert kinds.count("forward") >= SMOKE_STEPS and kinds.count("backward") >= SMOKE_STEPS, (rank, kinds)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
 
@@ -66,9 +75,9 @@ def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
 def test_one_process_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
     """The default model and data on one process (--pp 1) and on four stages: the same loss trajectory."""
     done, pipelined_log, _ = four_stage_run(step)
-    assert done.returncode == 0, tail(done.stdout + done.stderr, 40)
+    assert done.returncode == 0, ranks_output(done)
     single = torchrun(step_dirs[step], 1, "--steps", str(SMOKE_STEPS), "--log-json", str(tmp_path / "log.jsonl"))
-    assert single.returncode == 0, tail(single.stdout + single.stderr, 40)
+    assert single.returncode == 0, ranks_output(single)
     losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
     assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
 
@@ -85,7 +94,14 @@ CASES = [
     *bad(STEPS, 1, ["--device", "tpu"], "--device tpu", "auto, cpu or cuda"),
     *bad(STEPS, 1, ["--hidden", "100", "--heads", "3"], "--hidden 100", "--heads 3"),
     *bad(STEPS, 1, ["--data", "/no/such/file"], "--data /no/such/file", "not a file"),
-    *bad(STEPS, 1, ["--steps", "0"], "--steps 0", "at least 1"),
+    *bad(STEPS, 1, ["--steps", "0"], "--steps 0", "must be positive"),
+    *bad(STEPS, 1, ["--lr", "-1"], "--lr -1.0", "must be positive"),
+    *bad(STEPS, 1, ["--lr", "nan"], "--lr nan", "must be positive"),
+    *bad(STEPS, 1, ["--lr", "inf"], "--lr inf", "finite"),
+    *bad(STEPS, 1, ["--timeout", "0"], "--timeout 0.0", "must be positive"),
+    *bad(STEPS, 1, ["--trace", "/no/such/folder/trace.json"], "--trace", "/no/such/folder", "does not exist"),
+    *bad(STEPS, 1, ["--log-json", "/no/such/folder/log.jsonl"], "--log-json", "/no/such/folder", "does not exist"),
+    *bad(STEPS, 1, ["--seq-len", "5000000"], "the default corpus", "--seq-len 5000000"),
     *bad(LATER, 2, ["--batch-size", "6", "--microbatches", "4"], "--batch-size 6", "--microbatches 4"),
     *bad(WITH_DP, 4, ["--pp", "2", "--dp", "2", "--batch-size", "6", "--microbatches", "2"],
          "--batch-size 6", "--dp 2", "--microbatches 2"),
@@ -96,7 +112,7 @@ CASES += [
     *bad(INTERLEAVED, 4, ["--virtual-stages", "2", "--microbatches", "6", "--batch-size", "12"],
          "--microbatches 6", "multiple of --pp 4", "interleaved"),
     *bad(INTERLEAVED, 4, ["--virtual-stages", "3", "--layers", "8"], "--pp 4", "--virtual-stages 3", "--layers 8"),
-    *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--p2p", "ordered"], "--p2p ordered", "batched"),
+    *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--p2p", "even"], "--p2p even", "batched or ordered"),
     *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--schedule", "afab"], "--virtual-stages 2", "--schedule afab"),
 ]
 if not torch.cuda.is_available():
@@ -117,3 +133,42 @@ def test_bad_configuration_fails_fast_with_a_clear_line(step, world, flags, expe
     assert message.startswith("error: "), done.stderr
     for text in expected:
         assert text in message, f"{text!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
+    """A broken rule and --help print once for all ranks, and the error is the last line a rank prints."""
+    refused = torchrun(step_dirs[step], 2, "--lr", "-1", timeout=60)
+    errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and errors == ["error: --lr -1.0 must be positive"], ranks_output(refused)
+    helped = torchrun(step_dirs[step], 2, "--help", timeout=60)
+    assert helped.returncode == 0 and helped.stdout.count("usage:") == 1, ranks_output(helped)
+    assert "(default: 0.003)" in " ".join(helped.stdout.split()), "--help shows the defaults"
+    assert f"Step {step[4:6]} - " in helped.stdout, "--help opens with the step's own description"
+
+
+@pytest.mark.parametrize("step", [s for s in STEPS if s >= "step03"])
+def test_a_stalled_peer_ends_the_run_with_one_line(step, step_dirs, tmp_path):
+    """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for."""
+    timeout, log = 4, tmp_path / "log.jsonl"
+    cmd = [sys.executable, str(step_dirs[step] / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "2",
+           "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(timeout), "--log-json", str(log)]
+    port = free_port()
+    ranks = [subprocess.Popen(cmd, cwd=REPO, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = ranks[0].communicate(timeout=timeout + 30)
+        waited = time.monotonic() - stopped
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert ranks[0].returncode != 0, err
+    assert waited < timeout + 20, f"rank 0 took {waited:.0f} s to give up, with --timeout {timeout}"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: rank 0") and "(--timeout 4 s)" in last, err[-2000:]

@@ -35,13 +35,14 @@ def status(out: Path, rank: int, text: str):
 def pipelined(train, argv, device, out_case: Path, rank: int):
     args = train.parse_args(argv)
     run = train.build(args, device)
-    status(out_case.parent, rank, f"{out_case.name}: step 0 forward/backward")
+    case = f"[{' '.join(argv)}]"
+    status(out_case.parent, rank, f"{case}: step 0 forward/backward")
     losses = [train.compute_gradients(run, 0)]
     grads = {n: p.grad.detach().cpu().clone() for n, p in run.model.named_parameters() if p.grad is not None}
     names = [n for n, _ in run.model.named_parameters()]
     run.optimizer.step()
     for step in range(1, REFERENCE_STEPS):
-        status(out_case.parent, rank, f"{out_case.name}: step {step}")
+        status(out_case.parent, rank, f"{case}: step {step}")
         losses.append(train.train_step(run, step)["loss"])
     weights = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
     torch.save(dict(losses=losses, grads=grads, names=names, weights=weights), out_case / f"rank{rank}.pt")
@@ -88,7 +89,7 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         out_case.mkdir(exist_ok=True)
         args = pipelined(train, argv, device, out_case, rank)
         if rank == 0:
-            status(out, rank, f"case{i}: single-device reference")
+            status(out, rank, f"[{' '.join(argv)}]: single-device reference")
             reference(args, out_case)
         dist.barrier()
     status(out, rank, "done")

@@ -1,0 +1,60 @@
+"""Check the formulas a step prints against tests/formulas.py, for every configuration its rules allow.
+
+    python tests/check_formulas.py STEP_DIR   ->  prints a JSON report
+
+train.py prints `bubble_formula(args)` and `peak_stored_microbatches(args, stage)`, each a (text, value)
+pair from one function; this imports those functions from the step and compares their values.
+"""
+import importlib
+import json
+import os
+import sys
+
+import formulas
+
+MAX_PP, MAX_M, MAX_V = 8, 32, 4
+
+
+def configurations(parser):
+    """Flag sets over pp, m, and where the step has them, schedules and virtual stages."""
+    options = {action.dest: action for action in parser._actions}
+    schedules = options["schedule"].help.split(" (")[0].split(" | ") if "schedule" in options else [None]
+    for schedule in schedules:
+        for pp in range(1, MAX_PP + 1):
+            for m in range(1, MAX_M + 1) if "microbatches" in options else [1]:
+                for v in range(1, MAX_V + 1) if "virtual_stages" in options else [1]:
+                    flags = ["--pp", str(pp), "--layers", str(MAX_PP * MAX_V), "--device", "cpu"]
+                    flags += ["--microbatches", str(m), "--batch-size", str(m)] if "microbatches" in options else []
+                    flags += ["--schedule", schedule] if schedule else []
+                    flags += ["--virtual-stages", str(v)] if v > 1 else []
+                    yield schedule, pp, m, v, flags
+
+
+def main(step_dir):
+    sys.path.insert(0, os.path.abspath(step_dir))
+    config = importlib.import_module("config")
+    module = importlib.import_module("schedule" if os.path.exists(os.path.join(step_dir, "schedule.py")) else "pipeline")
+    default = "naive" if not hasattr(module, "peak_stored_microbatches") else "gpipe"
+    parser, problems, count = config.build_parser(), [], 0
+    for schedule, pp, m, v, flags in configurations(parser):
+        args = parser.parse_args(flags)
+        try:
+            config.check_config(args, pp, False)
+        except config.ConfigError:
+            continue
+        count += 1
+        name = schedule or ("afab" if module.__name__ == "schedule" else default)
+        text, value = module.bubble_formula(args)
+        if abs(value - formulas.bubble(name, pp, m, v)) > 1e-12:
+            problems.append(f"{name} pp={pp} m={m} v={v}: bubble {text} = {value}, expected "
+                            f"{formulas.bubble(name, pp, m, v)}")
+        for stage in range(pp) if hasattr(module, "peak_stored_microbatches") else []:
+            text, value = module.peak_stored_microbatches(args, stage)
+            if value != formulas.peak_stored(name, pp, stage, m, v):
+                problems.append(f"{name} pp={pp} m={m} v={v} stage {stage}: peak stored {text} = {value}, "
+                                f"expected {formulas.peak_stored(name, pp, stage, m, v)}")
+    print(json.dumps(dict(configurations=count, problems=problems[:50])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

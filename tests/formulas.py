@@ -1,0 +1,27 @@
+"""The schedules' formulas, written here from the papers, independently of the steps' code.
+
+Tests hold what train.py prints (and what the replay measures) to these.
+"""
+
+
+def bubble(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
+    """Idle fraction of a rank's step: p-1 fill-and-drain slots beside the work slots.
+
+    naive: one slot (the whole batch); GPipe, AFAB and 1F1B: m slots; interleaved: v*m slots.
+    """
+    slots = {"naive": 1, "interleaved": virtual * m}.get(schedule, m)
+    return (pp - 1) / (slots + pp - 1)
+
+
+def warmup(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) -> int:
+    """Forwards a stage runs before its first backward."""
+    if schedule in ("gpipe", "afab"):
+        return m
+    if schedule == "1f1b":
+        return min(pp - stage - 1, m)
+    return min((pp - stage - 1) * 2 + (virtual - 1) * pp, m * virtual)  # Megatron's interleaved warm-up
+
+
+def peak_stored(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) -> int:
+    """(Virtual) microbatches whose activations a stage holds at once: the warm-up, plus the steady state's one."""
+    return m if schedule in ("gpipe", "afab") else min(warmup(schedule, pp, stage, m, virtual) + 1, m * virtual)
