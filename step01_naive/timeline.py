@@ -5,8 +5,12 @@ Each rank appends one event per forward, backward, recompute, send and receive
 (kind, microbatch, step, start, end) in seconds of wall-clock time, a clock that
 all processes of a machine share (and that NTP keeps close across machines), so
 events of different ranks lie on one time axis. A step starts at its earliest
-event on any rank. On CUDA the clock is read after a device synchronize, so an
-event's length is the time its kernels really took.
+event on any rank.
+
+On CUDA a span records a pair of CUDA events instead of reading the clock, so
+timing adds no synchronisation inside the step: the GPU stamps the events as it
+reaches them, and end_step turns them into wall-clock times after the step,
+from one synchronize at the step's start that pins GPU time to the wall clock.
 
 The bubble of a rank is the fraction of the step's pipeline window in which it
 did no compute: 1 - (forward + backward + recompute time) / window, where the window runs
@@ -15,24 +19,29 @@ from the step's start to the end of the last compute event on any rank.
 A Timeline made with enabled=False records nothing and costs nothing.
 """
 import json
+import time
 from contextlib import contextmanager, nullcontext
 
+import torch
 import torch.distributed as dist
-
-from distributed import now
 
 COMPUTE = ("forward", "backward", "recompute")
 
 
 class Timeline:
     def __init__(self, rank: int = 0, device=None, enabled: bool = True):
-        self.rank, self.device, self.enabled = rank, device, enabled
-        self.events = []
-        self.step = 0
+        self.rank, self.enabled = rank, enabled
+        self.on_cuda = device is not None and torch.device(device).type == "cuda"
+        self.events, self.step = [], 0
+        self.pending = []  # CUDA: (event, start stamp, end stamp) until end_step reads them
 
     def start_step(self, step: int):
         """Events from now on belong to optimizer step `step`."""
         self.step = step
+        if self.enabled and self.on_cuda:  # GPU time of `origin` is the wall-clock time `origin_s`
+            torch.cuda.synchronize()
+            self.origin_s, self.origin = time.time(), torch.cuda.Event(enable_timing=True)
+            self.origin.record()
 
     def span(self, kind: str, microbatch=None, **info):
         """Record the body as one event; info (chunk, what) goes into the event as it is."""
@@ -40,11 +49,28 @@ class Timeline:
 
     @contextmanager
     def _record(self, kind, microbatch, info):
-        start = now(self.device)
-        yield
-        end = now(self.device)
-        self.events.append(dict(kind=kind, microbatch=microbatch, step=self.step, rank=self.rank,
-                                start=start, end=end, **info))
+        event = dict(kind=kind, microbatch=microbatch, step=self.step, rank=self.rank, **info)
+        if self.on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.pending.append((event, start, end))
+        else:
+            event["start"] = time.time()
+            yield
+            event["end"] = time.time()
+            self.events.append(event)
+
+    def end_step(self):
+        """CUDA: read this step's stamps, once the GPU has passed them (one synchronize, after the step)."""
+        if self.pending:
+            torch.cuda.synchronize()
+        for event, start, end in self.pending:
+            event["start"] = self.origin_s + self.origin.elapsed_time(start) / 1e3
+            event["end"] = self.origin_s + self.origin.elapsed_time(end) / 1e3
+            self.events.append(event)
+        self.pending.clear()
 
 
 def gather_events(timeline: Timeline):
@@ -72,9 +98,9 @@ def busy_fractions(events, world_size: int, steps):
 
 
 def measured_steps(events):
-    """Steps used for the bubble: all but the first (it pays one-off start-up costs) when possible."""
-    steps = sorted({e["step"] for e in events})
-    return steps[1:] if len(steps) > 1 else steps
+    """Steps used for the bubble: all that were recorded (train.py does not record the first step,
+    which pays one-off start-up costs, unless it is the only one)."""
+    return sorted({e["step"] for e in events})
 
 
 def bubble_report(events, world_size: int, formula_text: str, formula_value: float, describe_rank):

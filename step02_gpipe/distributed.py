@@ -7,7 +7,6 @@ instead of a silent hang.
 """
 import os
 import sys
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -41,18 +40,6 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     return device
-
-
-def synchronize(device: torch.device):
-    """Wait for queued GPU work, so a clock reading means the work is done. No-op on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def now(device: torch.device) -> float:
-    """Wall-clock seconds once the device's queued work is done: comparable across ranks of a machine."""
-    synchronize(device)
-    return time.time()
 
 
 def peak_memory_bytes(device: torch.device):

@@ -34,9 +34,6 @@ class ActivationMeter:
         self.live_bytes = 0
         self.peak_bytes = self.peak_stored_microbatches = 0
 
-    def reset_peaks(self):
-        self.peak_bytes = self.peak_stored_microbatches = 0
-
     def keep(self, microbatch, t: torch.Tensor):
         """Count a tensor that the schedule itself keeps for the backward (e.g. a stage input)."""
         key = storage_key(t)

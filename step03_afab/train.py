@@ -98,26 +98,38 @@ def compute_gradients(run, step: int) -> float:
     run.comm.begin_step()
     loss = afab_forward_backward(run.stages, run.comm, replica_microbatches(run, inputs, targets),
                                  lambda: average_gradients(run.model, run.pgm, run.timeline))
+    run.comm.finish_sends()
     return share_loss(run, loss)
 
 
+def instrument(run, step: int):
+    """Measure only what the report shows: the timeline on every step but the first, which pays one-off
+    start-up costs, and the activation meter on the last step. Switched off, they cost nothing."""
+    run.timeline.enabled = step > 0 or run.args.steps == 1
+    run.meter.enabled = step == run.args.steps - 1
+
+
 def train_step(run, step: int) -> dict:
-    """One optimizer step, timed from a barrier that all ranks leave together."""
+    """One optimizer step. While the timeline records, all ranks start it together, from a barrier."""
     reset_peak_memory(run.device)
-    run.meter.reset_peaks()
-    dist.barrier()
+    if run.timeline.enabled:
+        dist.barrier()
     run.timeline.start_step(step)
     start = time.perf_counter()
     loss = compute_gradients(run, step)
     run.optimizer.step()
-    dist.barrier()  # the step is over when the slowest rank is done
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start  # rank 0's step ends after the last stage's loss has reached it
+    run.timeline.end_step()
+    tokens = run.args.batch_size * run.args.seq_len
+    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
+
+
+def gather_peaks(run) -> dict:
+    """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
                                    run.meter.peak_stored_microbatches))
-    tokens = run.args.batch_size * run.args.seq_len
-    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed,
-                peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
+    return dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
                 peak_stored_microbatches=[p[2] for p in peaks])
 
 
@@ -151,7 +163,10 @@ def train(args):
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
     for step in range(args.steps):
+        instrument(run, step)
         record = train_step(run, step)
+        if step == args.steps - 1:
+            record.update(gather_peaks(run))
         if dist.get_rank() == 0:
             print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
                   f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)

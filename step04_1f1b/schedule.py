@@ -40,11 +40,12 @@ def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:
 class Stash:
     """What one rank keeps between a microbatch's forward and its backward, and the summed loss.
 
-    microbatches: [(tokens, targets)] of this replica. stages: this rank's model chunks (one until step 05).
+    stages: this rank's model chunks (one until step 05). comm: the PipelineComm whose receive buffers the
+    stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
     """
 
-    def __init__(self, stages, microbatches, sync_gradients):
-        self.stages, self.microbatches, self.sync_gradients = stages, microbatches, sync_gradients
+    def __init__(self, stages, comm, microbatches, sync_gradients):
+        self.stages, self.comm, self.microbatches, self.sync_gradients = stages, comm, microbatches, sync_gradients
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
         self.loss_sum = None  # last stage only
         self.backwards_left = len(stages) * len(microbatches)
@@ -65,11 +66,13 @@ class Stash:
         """out_grad is the received gradient; the model's last stage starts from its loss (out_grad is None)."""
         stage = self.stages[chunk]
         x, out = self.kept.pop((chunk, mb))
+        received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
         if stage.recompute:
             x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
         if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
             out_grad = torch.full_like(out, 1 / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad)
+        self.comm.recycle(*received)
         self.backwards_left -= 1
         if self.backwards_left == 0:
             self.sync_gradients()  # this rank's last backward: one all-reduce per optimizer step
@@ -89,7 +92,7 @@ class Stash:
 
 def afab_forward_backward(stages, comm, microbatches, sync_gradients):
     """Every forward, then every backward, in microbatch order on every stage; returns the mean loss."""
-    stash = Stash(stages, microbatches, sync_gradients)
+    stash = Stash(stages, comm, microbatches, sync_gradients)
     for mb in range(len(microbatches)):
         out = stash.forward(mb, comm.recv_forward())  # recv_forward waits for stage-1's forward of mb
         comm.send_forward(out)
@@ -102,7 +105,7 @@ def afab_forward_backward(stages, comm, microbatches, sync_gradients):
 
 def one_f_one_b_forward_backward(stages, comm, microbatches, sync_gradients):
     """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
-    stash = Stash(stages, microbatches, sync_gradients)
+    stash = Stash(stages, comm, microbatches, sync_gradients)
     m = len(microbatches)
     warmup = warmup_microbatches(comm.num_stages, comm.stage, m)
     steady = m - warmup

@@ -42,7 +42,9 @@ step 03 on.
 A receive needs a buffer of known shape and dtype: both neighbours know the
 microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
 sent. No message carries a label either: two ranks agree on what the k-th
-message between them is because both run the same schedule.
+message between them is because both run the same schedule. Received tensors
+come back through `recycle` once their microbatch's backward is done, and the
+next receives reuse them: a fresh buffer for every message costs page faults.
 """
 from collections import Counter
 
@@ -61,6 +63,8 @@ class PipelineComm:
         self.shape, self.dtype, self.device, self.timeline = shape, dtype, device, timeline
         self.ordering = ordering
         self.received = Counter()  # activations and gradients received so far this step, for errors
+        self.free = []  # receive buffers nobody needs any more
+        self.sending = []  # (work, exchange) of sends still in flight
 
     @property
     def is_first(self) -> bool:
@@ -72,6 +76,7 @@ class PipelineComm:
 
     def begin_step(self):
         """Count messages from zero again: the k-th activation of a step is the k-th microbatch's."""
+        self.finish_sends()
         self.received.clear()
 
     def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
@@ -94,24 +99,46 @@ class PipelineComm:
         return from_prev, from_next
 
     def _buffer(self):
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.free.pop() if self.free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def recycle(self, *received):
+        """Take back received tensors whose microbatch is done with them, to receive into again."""
+        self.free += [t.detach() for t in received if t is not None]
 
     def _post(self, ops):
-        """Start the operations together, then wait until every peer has matched its part."""
+        """Start the operations (together, or one by one in parity order), then wait for what they receive."""
         if self.ordering == "batched":
-            works = dist.batch_isend_irecv([op for op in ops if op is not None])
+            posted = [op for op in ops if op is not None]
+            works = dist.batch_isend_irecv(posted)
         else:  # odd stages swap each pair: receive previous, send next, receive next, send previous
             order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
-            works = [op.op(op.tensor, op.peer) for op in order if op is not None]  # dist.isend / dist.irecv
-        self._wait(works, ops)
+            posted = [op for op in order if op is not None]
+            works = [op.op(op.tensor, op.peer) for op in posted]  # dist.isend / dist.irecv
+        self._wait(works, posted, ops)
 
-    def _wait(self, works, ops):
+    def _wait(self, works, posted, ops):
+        """Wait for the receives now. A send only has to be finished before the next exchange, so it
+        overlaps this rank's next compute. (gloo gives a work per operation; NCCL one for the whole
+        batch, which then is waited for at once: on a GPU that wait does not block the host.)"""
+        self.finish_sends()
+        if len(works) == len(posted):
+            self.sending = [(work, ops) for work, op in zip(works, posted) if op.op == dist.isend]
+            works = [work for work, op in zip(works, posted) if op.op != dist.isend]
+        self._complete(works, ops)
+        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
+
+    def finish_sends(self):
+        """Wait until the peers have received what this rank sent."""
+        sending, self.sending = self.sending, []
+        for work, ops in sending:
+            self._complete([work], ops)
+
+    def _complete(self, works, ops):
         try:
             for work in works:
                 work.wait()
         except RuntimeError as err:  # the process group's timeout expired
             raise PeerTimeout(self._timeout_message(ops)) from err
-        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
 
     def _describe(self, ops):
         """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
