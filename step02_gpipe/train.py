@@ -117,8 +117,7 @@ def memory_report(args, record):
     lines = [f"activation memory: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
         _, expected = peak_stored_microbatches(args, rank)
-        lines.append(f"  rank {rank} ({describe_rank(rank)}): peak {count} microbatches "
-                     f"(formula {expected}), {size / 2**20:.2f} MiB")
+        lines.append(f"  rank {rank} ({describe_rank(rank)}): {count} (formula {expected}), {size / 2**20:.2f} MiB")
     return lines
 
 

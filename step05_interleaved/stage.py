@@ -20,8 +20,9 @@ for the backward, since the next stage returns d(loss)/d(output) and the last
 operation of a stage (a residual add) saves nothing of its own output.
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
-several, and `chunk` tells them apart in the activation meter and the timeline. The timeline and the activation meter only watch: leave them out and
-the stage computes the same.
+several, and `chunk` tells them apart in the activation meter and the timeline.
+The timeline and the activation meter only watch: leave them out and the stage
+computes the same.
 """
 import torch
 from torch.autograd import Variable

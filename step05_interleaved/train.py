@@ -141,8 +141,8 @@ def memory_report(args, record):
     lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
         _, expected = peak_stored_microbatches(args, rank // args.dp)
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): peak {count} microbatches "
-                     f"(formula {expected}), {size / 2**20:.2f} MiB")
+        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
+                     f"{size / 2**20:.2f} MiB")
     return lines
 
 

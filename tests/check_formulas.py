@@ -33,7 +33,8 @@ def configurations(parser):
 def main(step_dir):
     sys.path.insert(0, os.path.abspath(step_dir))
     config = importlib.import_module("config")
-    module = importlib.import_module("schedule" if os.path.exists(os.path.join(step_dir, "schedule.py")) else "pipeline")
+    has_schedule = os.path.exists(os.path.join(step_dir, "schedule.py"))
+    module = importlib.import_module("schedule" if has_schedule else "pipeline")
     default = "naive" if not hasattr(module, "peak_stored_microbatches") else "gpipe"
     parser, problems, count = config.build_parser(), [], 0
     for schedule, pp, m, v, flags in configurations(parser):

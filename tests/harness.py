@@ -100,9 +100,8 @@ def run_cases(step_dir: Path, world: int, cases, out: Path, timeout: float = 240
     except RunFailed as failure:
         done = [i for i in range(len(cases)) if case_finished(out / f"case{i}", world)]
         stopped = next((i for i in range(len(cases)) if i not in done), len(cases))
-        return {i: None if i in done else
-                (str(failure) if i == stopped else f"not run: the launch stopped in the case [{' '.join(cases[stopped])}]")
-                for i in range(len(cases))}
+        never_run = f"not run: the launch stopped in the case [{' '.join(cases[min(stopped, len(cases) - 1)])}]"
+        return {i: None if i in done else str(failure) if i == stopped else never_run for i in range(len(cases))}
 
 
 def case_finished(case_dir: Path, world: int) -> bool:

@@ -239,7 +239,8 @@ class Step:
         import process_groups
         import schedule
         import timeline
-        self.config, self.p2p, self.groups, self.schedule, self.timeline = config, p2p, process_groups, schedule, timeline
+        self.config, self.p2p, self.groups = config, p2p, process_groups
+        self.schedule, self.timeline = schedule, timeline
         self.parser = config.build_parser()
 
     def args(self, name, pp, m, virtual, ordering):
@@ -280,7 +281,8 @@ class Step:
         logs, dist = self.replay(name, pp, m, ordering, virtual)
         problems = match(dist.streams, pp)
         for stage, log in enumerate(logs):
-            warmup, peak = formulas.warmup(name, pp, stage, m, virtual), formulas.peak_stored(name, pp, stage, m, virtual)
+            warmup = formulas.warmup(name, pp, stage, m, virtual)
+            peak = formulas.peak_stored(name, pp, stage, m, virtual)
             problems += [f"stage {stage}: {p}" for p in check_compute_order(log, m * virtual, warmup, peak)]
             if not problems:
                 problems += [f"stage {stage}: {p}" for p in check_consumed(log)]

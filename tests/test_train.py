@@ -147,12 +147,18 @@ def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
     assert f"Step {step[4:6]} - " in helped.stdout, "--help opens with the step's own description"
 
 
-@pytest.mark.parametrize("step", [s for s in STEPS if s >= "step03"])
-def test_a_stalled_peer_ends_the_run_with_one_line(step, step_dirs, tmp_path):
-    """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for."""
+STALLS = [(step, layout) for step in STEPS for layout in (["--pp", "2"], ["--pp", "1", "--dp", "2"])
+          if step >= "step03" or layout == ["--pp", "2"]]
+
+
+@pytest.mark.parametrize("step, layout", STALLS, ids=[f"{s}:{' '.join(f)}" for s, f in STALLS])
+def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, step_dirs, tmp_path):
+    """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for.
+    With --dp 2 rank 0 waits in the data-parallel group's all-reduce: every group needs the timeout."""
     timeout, log = 4, tmp_path / "log.jsonl"
     cmd = [sys.executable, str(step_dirs[step] / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "2",
-           "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(timeout), "--log-json", str(log)]
+           "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(timeout), "--log-json", str(log),
+           *layout]
     port = free_port()
     ranks = [subprocess.Popen(cmd, cwd=REPO, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

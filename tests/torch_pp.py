@@ -1,6 +1,6 @@
 """The course's schedules beside PyTorch's own pipelining, on the same model, weights and batch.
 
-    torchrun --nproc_per_node 2 tests/torch_pp.py STEP_DIR grads OUT.json [train.py flags]
+    torchrun --nproc_per_node 2 tests/torch_pp.py STEP_DIR grads|control OUT.json [train.py flags]
     torchrun --nproc_per_node 2 tests/torch_pp.py STEP_DIR bench OUT.json ROUNDS [train.py flags]
 
 Each rank builds the step's own run (train.build) and, from the step's own
@@ -78,9 +78,9 @@ def main(step_dir, mode, out, *rest):
     args = train.parse_args(flags)
     run = train.build(args, init_distributed(args.device, args.timeout))
     chunks, schedule, optimizer = torch_pipeline(train, model, run)
-    if mode == "grads":
+    if mode in ("grads", "control"):  # control: torch on the next batch, which must not match
         train.compute_gradients(run, 0)
-        torch_gradients(data, run, chunks, schedule, 0)
+        torch_gradients(data, run, chunks, schedule, int(mode == "control"))
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, compare(run, chunks))
         if dist.get_rank() == 0:

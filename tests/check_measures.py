@@ -1,0 +1,164 @@
+"""Check a step's measuring code on inputs whose answers are known by hand.
+
+    python tests/check_measures.py STEP_DIR   ->  prints a JSON report {check: problem or null}
+
+  * the bubble (timeline.busy_fractions) on hand-built event lists: forwards,
+    backwards, recomputes, waits, several ranks and steps;
+  * the timeline records nothing while disabled;
+  * the activation meter on a known set of saved tensors, a recompute's stored input, and
+    microbatches that are views of one storage (step 02 on);
+  * --deallocate really frees an output's storage, checked on the tensor itself, and the
+    backward through the freed output still gives the same input gradient (step 04 on).
+"""
+import json
+import os
+import sys
+
+import torch
+
+
+def event(rank, step, kind, start, end):
+    return dict(kind=kind, microbatch=0, step=step, rank=rank, start=start, end=end)
+
+
+def check_bubble(timeline):
+    """Two ranks, two steps, times in quarters so the answers are exact."""
+    events = [
+        # step 0 begins with rank 1's wait at t = 1.0; the last compute ends at 5.0: a window of 4
+        event(1, 0, "recv", 1.0, 2.0), event(0, 0, "forward", 1.5, 2.0), event(0, 0, "send", 2.0, 2.25),
+        event(1, 0, "forward", 2.0, 3.0), event(1, 0, "backward", 3.0, 4.0), event(0, 0, "recv", 2.25, 4.0),
+        event(0, 0, "recompute", 4.0, 4.5), event(0, 0, "backward", 4.5, 5.0), event(0, 0, "allreduce", 5.0, 6.0),
+        # step 1: a window of 2 (10.0 to 12.0); rank 0 computes 1, rank 1 computes 2
+        event(0, 1, "forward", 10.0, 11.0), event(1, 1, "forward", 10.0, 11.0), event(1, 1, "backward", 11.0, 12.0),
+    ]
+    expected = {0: [1.5 / 4, 2 / 4], 1: [1 / 2, 2 / 2]}
+    for step, answer in expected.items():
+        got = timeline.busy_fractions(events, 2, [step])
+        if got != answer:
+            return f"step {step}: busy fractions {got}, expected {answer}"
+    both = timeline.busy_fractions(events, 2, [0, 1])
+    if both != [(a + b) / 2 for a, b in zip(expected[0], expected[1])]:
+        return f"mean over steps 0 and 1: {both}"
+    return None
+
+
+def check_timeline_off(timeline):
+    line = timeline.Timeline(0, torch.device("cpu"), enabled=False)
+    with line.span("forward", 0):
+        pass
+    line.enabled = True
+    with line.span("backward", 1, chunk=0):
+        pass
+    kinds = [(e["kind"], e["microbatch"], e.get("chunk")) for e in line.events]
+    ok = kinds == [("backward", 1, 0)] and line.events[0]["start"] <= line.events[0]["end"]
+    return None if ok else f"recorded {kinds}: expected only the span made while enabled"
+
+
+def check_meter(memory):
+    """Saved tensors counted once per storage; parameters skipped; release and disable."""
+    weight = torch.nn.Linear(256, 256, bias=False)
+    meter = memory.ActivationMeter(weight)
+    x = torch.randn(4, 256, requires_grad=True)
+    with meter.saving("a"):
+        y = weight(x)  # saves x (and the weight, which is skipped)
+        z = y * y  # saves y twice: one storage
+    expected = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+    if (meter.live_bytes, meter.peak_stored_microbatches) != (expected, 1):
+        return f"after one microbatch: {meter.live_bytes} bytes, {meter.peak_stored_microbatches} microbatches"
+    batch = torch.zeros(4, 1000)
+    first, second = batch.chunk(2)
+    meter.keep("b", first)
+    meter.keep("c", second)  # a view of the same storage: no new bytes
+    if meter.live_bytes != expected + batch.untyped_storage().nbytes() or meter.peak_stored_microbatches != 3:
+        return f"views of one storage: {meter.live_bytes - expected} bytes, not {batch.untyped_storage().nbytes()}"
+    for key in ("a", "b"):
+        meter.release(key)
+    if meter.live_bytes != batch.untyped_storage().nbytes():
+        return f"after releasing a and b, {meter.live_bytes} bytes live"
+    meter.release("c")
+    off = memory.ActivationMeter(weight, enabled=False)
+    with off.saving("a"):
+        weight(x).sum()
+    off.keep("b", batch)
+    if meter.live_bytes or off.live_bytes or off.peak_bytes:
+        return "bytes left after release, or counted while disabled"
+    del z
+    return None
+
+
+def tiny_stage_model(model, first, last):
+    cfg = model.ModelConfig(n_layers=2, hidden=32, n_heads=2, seq_len=8)
+    return model.Transformer(cfg, [0] if first else [1], first=first, last=last, seed=0), cfg
+
+
+def check_recompute_input(model, memory, stage_module):
+    """With recompute, a stage's forward stores exactly its input: nothing autograd saves."""
+    net, cfg = tiny_stage_model(model, first=False, last=False)
+    meter = memory.ActivationMeter(net)
+    x = torch.randn(2, cfg.seq_len, cfg.hidden)
+    stage = stage_module.PipelineStage(net, recompute=True, meter=meter)
+    stage.forward(0, x, None)
+    if meter.live_bytes != x.untyped_storage().nbytes() or meter.peak_stored_microbatches != 1:
+        return f"recompute forward stored {meter.live_bytes} bytes, expected the input's {x.untyped_storage().nbytes()}"
+    return None
+
+
+def check_gpipe_recompute_input(model, memory, pipeline, timeline):
+    """Step 02's GPipe: with recompute, forward_step stores exactly the microbatch's token ids."""
+    cfg = model.ModelConfig(n_layers=1, hidden=32, n_heads=2, seq_len=8)
+    net = model.Transformer(cfg, seed=0)
+    meter = memory.ActivationMeter(net)
+    tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, cfg.seq_len))
+    stage = pipeline.Stage(net, 0, 1, None, torch.device("cpu"), timeline.Timeline(enabled=False), meter, True)
+    pipeline.forward_step(stage, 0, tokens, targets)
+    if meter.live_bytes != tokens.untyped_storage().nbytes() or meter.peak_stored_microbatches != 1:
+        return f"recompute stored {meter.live_bytes} bytes, expected the tokens' {tokens.untyped_storage().nbytes()}"
+    return None
+
+
+def check_deallocate(model, stage_module):
+    """The output's storage shrinks to one element, and the backward through it is unchanged."""
+    net, cfg = tiny_stage_model(model, first=False, last=False)
+    x = torch.randn(2, cfg.seq_len, cfg.hidden)
+    grad = torch.randn(2, cfg.seq_len, cfg.hidden)
+    input_grads = []
+    for deallocate in (False, True):
+        stage = stage_module.PipelineStage(net, deallocate=deallocate)
+        x_in = x.clone()
+        out = stage.forward(0, x_in, None)
+        before = out.untyped_storage().nbytes()
+        stage.deallocate_output(0, out)
+        after = out.untyped_storage().nbytes()
+        if deallocate and not (before == x.numel() * 4 and after == out.element_size()):
+            return f"--deallocate left {after} bytes of the output's {before}"
+        if not deallocate and after != before:
+            return "without --deallocate the output lost its storage"
+        net.zero_grad()
+        input_grads.append(stage.backward(0, x_in, out, grad))
+    if not torch.equal(*input_grads):
+        return "the input gradient through a deallocated output differs"
+    return None
+
+
+def main(step_dir):
+    sys.path.insert(0, os.path.abspath(step_dir))
+    import model
+    import timeline
+
+    report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline))
+    if os.path.exists(os.path.join(step_dir, "memory.py")):
+        import memory
+        report["meter"] = check_meter(memory)
+    if os.path.exists(os.path.join(step_dir, "pipeline.py")) and os.path.exists(os.path.join(step_dir, "memory.py")):
+        import pipeline
+        report["recompute_input"] = check_gpipe_recompute_input(model, memory, pipeline, timeline)
+    if os.path.exists(os.path.join(step_dir, "stage.py")):
+        import stage
+        report["recompute_input"] = check_recompute_input(model, memory, stage)
+        if hasattr(stage.PipelineStage, "deallocate_output"):
+            report["deallocate"] = check_deallocate(model, stage)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
