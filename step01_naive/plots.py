@@ -73,7 +73,7 @@ def load_trace(path: str):
 
 
 def measured_bubble(events, world_size: int):
-    """Idle fraction of each rank, averaged over all steps but the first (see timeline.py)."""
+    """Idle fraction of each rank, averaged over the recorded steps (see timeline.py)."""
     return [1 - busy for busy in busy_fractions(events, world_size, measured_steps(events))]
 
 

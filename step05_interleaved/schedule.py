@@ -66,11 +66,10 @@ class Stash:
     stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
     """
 
-    def __init__(self, stages, comm, microbatches, sync_gradients):
-        self.stages, self.comm, self.microbatches, self.sync_gradients = stages, comm, microbatches, sync_gradients
+    def __init__(self, stages, comm, microbatches):
+        self.stages, self.comm, self.microbatches = stages, comm, microbatches
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
         self.loss_sum = None  # last stage only
-        self.backwards_left = len(stages) * len(microbatches)
 
     def forward(self, mb, x, chunk=0):
         """x is the received activation; the model's first stage reads tokens instead (x is None)."""
@@ -95,9 +94,6 @@ class Stash:
             out_grad = torch.full_like(out, 1 / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad)
         self.comm.recycle(*received)
-        self.backwards_left -= 1
-        if self.backwards_left == 0:
-            self.sync_gradients()  # this rank's last backward: one all-reduce per optimizer step
         return input_grad
 
     def deallocate(self, mb, chunk=0):
@@ -112,9 +108,9 @@ class Stash:
         return None if self.loss_sum is None else self.loss_sum / len(self.microbatches)
 
 
-def afab_forward_backward(stages, comm, microbatches, sync_gradients):
+def afab_forward_backward(stages, comm, microbatches):
     """Every forward, then every backward, in microbatch order on every stage; returns the mean loss."""
-    stash = Stash(stages, comm, microbatches, sync_gradients)
+    stash = Stash(stages, comm, microbatches)
     for mb in range(len(microbatches)):
         out = stash.forward(mb, comm.recv_forward())  # recv_forward waits for stage-1's forward of mb
         comm.send_forward(out)
@@ -125,9 +121,9 @@ def afab_forward_backward(stages, comm, microbatches, sync_gradients):
 
 
 
-def one_f_one_b_forward_backward(stages, comm, microbatches, sync_gradients):
+def one_f_one_b_forward_backward(stages, comm, microbatches):
     """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
-    stash = Stash(stages, comm, microbatches, sync_gradients)
+    stash = Stash(stages, comm, microbatches)
     m = len(microbatches)
     warmup = warmup_microbatches(comm.num_stages, comm.stage, m)
     steady = m - warmup
@@ -155,10 +151,10 @@ def one_f_one_b_forward_backward(stages, comm, microbatches, sync_gradients):
     return stash.loss
 
 
-def interleaved_forward_backward(stages, comm, microbatches, sync_gradients):
+def interleaved_forward_backward(stages, comm, microbatches):
     """1F1B over virtual microbatches. Every exchange with the ring neighbours is one call, so a rank
     sends its newest output and oldest input gradient while receiving what comes next."""
-    stash = Stash(stages, comm, microbatches, sync_gradients)
+    stash = Stash(stages, comm, microbatches)
     pp, virtual = comm.num_stages, len(stages)
     total = len(microbatches) * virtual
 

@@ -1,10 +1,11 @@
 """Record what each rank did and when, and turn it into a trace and a bubble measurement.
 
 Each rank appends one event per forward, backward, recompute, send and receive
-(a receive's length is mostly time spent waiting for the peer):
-(kind, microbatch, step, start, end) in seconds of wall-clock time, a clock that
-all processes of a machine share (and that NTP keeps close across machines), so
-events of different ranks lie on one time axis. A step starts at its earliest
+(a receive's length is mostly time spent waiting for the peer): its kind, rank,
+step, microbatch (None for messages, which carry no label), model chunk and
+what travelled where they apply, and its start and end in seconds of wall-clock
+time, a clock that all processes of a machine share (and that NTP keeps close
+across machines), so events of different ranks lie on one time axis. A step starts at its earliest
 event on any rank.
 
 On CUDA a span records a pair of CUDA events instead of reading the clock, so

@@ -35,11 +35,12 @@ def ranks_output(done) -> str:
 
 
 @pytest.fixture(scope="module")
-def four_stage_run(step_dirs, tmp_path_factory):
+def four_stage_run(step_dirs, tmp_path_factory, replay_passes):
     """run(step) -> (finished process, log path, trace path) of a default 4-rank run, made once per step."""
     cache = {}
 
     def run(step):
+        replay_passes(step)  # a schedule the replay rejects would only hang here until --timeout
         if step not in cache:
             out = tmp_path_factory.mktemp(step)
             log, trace = out / "log.jsonl", out / "trace.json"
