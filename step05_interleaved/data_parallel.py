@@ -3,9 +3,9 @@
 Each data-parallel replica of a stage saw a different shard of the global batch.
 Averaging their gradients gives the gradient of the mean loss over the whole
 global batch (all shards are the same size). It is done once per optimizer
-step, after the last microbatch's backward: gradients accumulate locally over
-the microbatches first, so one all-reduce moves them all, instead of one per
-microbatch.
+step, after the schedule has run every backward and sent every gradient
+(train.compute_gradients): gradients accumulate locally over the microbatches
+first, so one all-reduce moves them all, instead of one per microbatch.
 """
 import torch
 import torch.distributed as dist
