@@ -61,7 +61,7 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
     if dp > 1:
         boxes = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
         for rank in range(pp * dp):
-            for step in range(2):
+            for step in (1,):  # the timeline records every step but the first
                 mine = [e for e in boxes if e["args"]["rank"] == rank and e["args"]["step"] == step]
                 syncs = [e for e in mine if e["cat"] == "allreduce"]
                 last_backward = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "backward")
