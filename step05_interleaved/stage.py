@@ -11,7 +11,7 @@ one microbatch's mean loss: summed over the m backwards, the gradients are those
 of the whole batch (all microbatches hold the same number of tokens).
 
 With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
-the schedule keeps the input and calls `recompute` to rebuild the graph just
+the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
 With deallocate (Megatron's deallocate_output_tensor), once the output has been
