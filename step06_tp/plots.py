@@ -23,8 +23,9 @@ from matplotlib.patches import Patch
 from timeline import busy_fractions, measured_steps
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
-          "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red"}
-COMMUNICATION = ("send", "recv", "sendrecv", "allreduce")
+          "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red",
+          "tp allreduce": "black", "tp allgather": "tab:gray"}  # TP boxes sit inside forwards and backwards
+COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather")
 COMPUTE_HEIGHT, COMM_HEIGHT = 0.7, 0.25  # communication boxes are drawn thin: mostly waiting
 CHUNK_SHADE = 0.6  # how much lighter the last model chunk of a rank is drawn than the first
 

@@ -1,12 +1,14 @@
 """Record what each rank did and when, and turn it into a trace and a bubble measurement.
 
 Each rank appends one event per forward, backward, recompute, send and receive
-(a receive's length is mostly time spent waiting for the peer): its kind, rank,
-step, microbatch (None for messages, which carry no label), model chunk and
-what travelled where they apply, and its start and end in seconds of wall-clock
-time, a clock that all processes of a machine share (and that NTP keeps close
-across machines), so events of different ranks lie on one time axis. A step starts at its earliest
-event on any rank.
+(a receive's length is mostly time spent waiting for the peer), and from step 06
+on per tensor-parallel collective (nested in the forward or backward that made
+it): its kind, rank, step, microbatch (None for messages, which carry no label),
+model chunk, what travelled and the bytes this rank sent, where they apply, and
+its start and end in seconds of wall-clock time, a clock that all processes of
+a machine share (and that NTP keeps close across machines), so events of
+different ranks lie on one time axis. A step starts at its earliest event on
+any rank.
 
 On CUDA a span records a pair of CUDA events instead of reading the clock, so
 timing adds no synchronisation inside the step: the GPU stamps the events as it
@@ -136,7 +138,7 @@ def write_chrome_trace(events, path: str, describe_rank):
             trace.append(dict(name=box_name(e), cat=e["kind"], ph="X", pid=1, tid=e["rank"] + 1,
                               ts=(offset + e["start"] - origin) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
                               args=dict(step=step, rank=e["rank"], microbatch=e["microbatch"],
-                                        chunk=e.get("chunk"), what=e.get("what"))))
+                                        chunk=e.get("chunk"), what=e.get("what"), bytes=e.get("bytes"))))
         offset += max(e["end"] for e in step_events) - origin
     ranks = sorted({e["rank"] for e in events})
     trace += [dict(name="thread_name", ph="M", pid=1, tid=r + 1, args=dict(name=f"rank {r} ({describe_rank(r)})"))
