@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -113,25 +114,53 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_case(case_dir: Path, world: int, label: str):
-    """Every mismatch between the ranks' results and the single-device reference, as text."""
+    """Every mismatch between the ranks' results and the single-device reference, as text.
+
+    Tensor-parallel shards are put back together (by name, along the dimension each was split on)
+    and compared as whole parameters, one data-parallel replica at a time.
+    """
     ref = torch.load(case_dir / "reference.pt")
-    errors, seen = [], set()
-    for rank in range(world):
-        got = torch.load(case_dir / f"rank{rank}.pt")
-        where = f"{label}, rank {rank}"
+    results = [torch.load(case_dir / f"rank{rank}.pt") for rank in range(world)]
+    errors = []
+    for rank, got in enumerate(results):
         for step, (loss, ref_loss) in enumerate(zip(got["losses"], ref["losses"])):
             if abs(loss - ref_loss) > RTOL * abs(ref_loss):
-                errors.append(f"{where}: loss at step {step} is {loss:.8f}, reference {ref_loss:.8f}")
-        for name in got["names"]:
-            seen.add(name)
-            if name not in got["grads"]:
-                errors.append(f"{where}: parameter {name} got no gradient")
-                continue
-            for what, tol in (("grads", RTOL), ("weights", WEIGHT_RTOL)):
-                err = rel_err(got[what][name], ref[what][name])
-                if err > tol:
-                    errors.append(f"{where}: {what[:-1]} of {name} has relative error {err:.2e} > {tol:.0e}")
-    missing = sorted(set(ref["grads"]) - seen)
+                errors.append(f"{label}, rank {rank}: loss at step {step} is {loss:.8f}, reference {ref_loss:.8f}")
+        errors += [f"{label}, rank {rank}: parameter {name} got no gradient"
+                   for name in got["names"] if name not in got["grads"]]
+    for what, tol in (("grads", RTOL), ("weights", WEIGHT_RTOL)):
+        for (replica, name), tensor in whole_tensors(results, what, errors, label).items():
+            err = rel_err(tensor, ref[what][name])
+            if err > tol:
+                errors.append(f"{label}, replica {replica}: {what[:-1]} of {name} "
+                              f"has relative error {err:.2e} > {tol:.0e}")
+    missing = sorted(set(ref["grads"]) - {name for got in results for name in got["names"]})
     if missing:
         errors.append(f"{label}: no rank holds parameters {missing}")
     return errors
+
+
+def whole_tensors(results, what: str, errors: list, label: str) -> dict:
+    """{(replica, name): tensor} of `what` ("grads" or "weights"), TP shards concatenated in TP order.
+
+    Copies that must be bitwise equal, and are not, go to `errors`: a replicated parameter (a norm
+    gain) on the TP ranks of a stage, and the two copies of a tied embedding (first and last stage).
+    """
+    shards = defaultdict(lambda: defaultdict(list))  # (replica, name) -> tp_rank -> copies
+    split = {}
+    for got in results:
+        replica, tp_rank, _ = got["place"]
+        for name, tensor in got[what].items():
+            shards[replica, name][tp_rank].append(tensor)
+            split[name] = got["splits"][name]
+    whole = {}
+    for (replica, name), by_tp_rank in shards.items():
+        where = f"{label}, replica {replica}: {what[:-1]} of {name}"
+        for tp_rank, copies in by_tp_rank.items():
+            if any(not torch.equal(c, copies[0]) for c in copies[1:]):
+                errors.append(f"{where}: its {len(copies)} copies on TP rank {tp_rank} differ")
+        parts = [by_tp_rank[t][0] for t in sorted(by_tp_rank)]
+        if split[name] is None and any(not torch.equal(p, parts[0]) for p in parts[1:]):
+            errors.append(f"{where}: replicated, but not bitwise equal on the {len(parts)} TP ranks")
+        whole[replica, name] = parts[0] if split[name] is None else torch.cat(parts, split[name])
+    return whole

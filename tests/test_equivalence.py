@@ -41,6 +41,15 @@ CASES = [
     *[case("step05_interleaved", 4, "--pp", "2", "--dp", "2", "--virtual-stages", "2", "--layers", "4",
            "--microbatches", str(m), *extra) for m, extra in [(2, []), (4, ["--recompute"])]],
     case("step05_interleaved", 4, "--pp", "4", "--layers", "5", "--microbatches", "4", "--virtual-stages", "1"),
+    # Tensor parallelism: shards are put back together before comparing (harness.whole_tensors).
+    *[case("step06_tp", 2, "--tp", "2", "--layers", "2", "--microbatches", str(m), *extra)
+      for m, extra in [(1, []), (4, ["--recompute"]), (2, ["--tie-embeddings"])]],
+    case("step06_tp", 2, "--pp", "2", "--layers", "3", "--microbatches", "2", "--tie-embeddings"),
+    case("step06_tp", 4, "--tp", "4", "--heads", "4", "--layers", "2", "--microbatches", "2"),
+    *[case("step06_tp", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "4", *extra)
+      for extra in (["--schedule", "afab"], ["--schedule", "1f1b", "--deallocate"], ["--virtual-stages", "2"],
+                    ["--scatter-gather"], ["--tie-embeddings"], ["--virtual-stages", "2", "--tie-embeddings"])],
+    case("step06_tp", 4, "--tp", "2", "--dp", "2", "--layers", "2", "--microbatches", "2"),
 ]
 
 

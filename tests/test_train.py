@@ -87,6 +87,22 @@ def test_one_process_follows_the_losses_of_four_stages(step, step_dirs, four_sta
     assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
 
 
+TP_STEPS = [s for s in STEPS if s >= "step06"]
+
+
+@pytest.mark.parametrize("step", TP_STEPS)
+def test_tensor_parallel_grid_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
+    """torchrun --nproc_per_node 4 train.py --tp 2 --pp 2, with no other flags: the same losses as four stages."""
+    done, pipelined_log, _ = four_stage_run(step)
+    assert done.returncode == 0, ranks_output(done)
+    grid = torchrun(step_dirs[step], 4, "--tp", "2", "--pp", "2", "--steps", str(SMOKE_STEPS),
+                    "--log-json", str(tmp_path / "log.jsonl"))
+    assert grid.returncode == 0, ranks_output(grid)
+    assert "(stage 1, dp 0, tp 1)" in grid.stdout, "the report names each rank's place in the grid"
+    losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
+    assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
+
+
 def bad(steps, world, flags, *expected):
     return [pytest.param(step, world, flags, expected, id=f"{step}:{' '.join(flags)}") for step in steps]
 
@@ -120,6 +136,13 @@ CASES += [
     *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--p2p", "even"], "--p2p even", "batched or ordered"),
     *bad(INTERLEAVED, 2, ["--virtual-stages", "2", "--schedule", "afab"], "--virtual-stages 2", "--schedule afab"),
 ]
+CASES += [
+    *bad(TP_STEPS, 3, ["--tp", "3"], "--tp 3", "--heads 4"),
+    *bad(TP_STEPS, 16, ["--tp", "16", "--heads", "16"], "--tp 16", "the MLP width 344"),
+    *bad(TP_STEPS, 6, ["--tp", "6", "--heads", "6", "--hidden", "72"], "--tp 6", "the vocabulary size 256"),
+    *bad(TP_STEPS, 4, ["--tp", "2", "--pp", "3"], "--tp 2 x --pp 3 x --dp 1 = 6", "world size 4"),
+    *bad(TP_STEPS, 4, ["--tp", "0"], "--tp 0", "must be positive"),
+]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
 
@@ -152,14 +175,15 @@ def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
     assert f"Step {step[4:6]} - " in helped.stdout, "--help opens with the step's own description"
 
 
-STALLS = [(step, layout) for step in STEPS for layout in (["--pp", "2"], ["--pp", "1", "--dp", "2"])
-          if step >= "step03" or layout == ["--pp", "2"]]
+STALLS = [(step, layout) for step in STEPS for layout in (["--pp", "2"], ["--pp", "1", "--dp", "2"], ["--tp", "2"])
+          if layout == ["--pp", "2"] or step >= "step03" and layout[-2] == "--dp" or step >= "step06"]
 
 
 @pytest.mark.parametrize("step, layout", STALLS, ids=[f"{s}:{' '.join(f)}" for s, f in STALLS])
 def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, step_dirs, tmp_path):
     """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for.
-    With --dp 2 rank 0 waits in the data-parallel group's all-reduce: every group needs the timeout."""
+    With --dp 2 rank 0 waits in the data-parallel group's all-reduce, with --tp 2 in a tensor-parallel
+    all-reduce inside a forward or backward: every group needs the timeout."""
     timeout, log = 4, tmp_path / "log.jsonl"
     cmd = [sys.executable, str(step_dirs[step] / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "2",
            "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(timeout), "--log-json", str(log),

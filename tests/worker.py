@@ -12,7 +12,9 @@ never meet in one process) and uses the step's public training API:
     distributed.init_distributed(device, timeout_s)
 
 For every case it saves this rank's loss, gradients after step 0, and weights
-and losses after REFERENCE_STEPS optimizer steps. Rank 0 then computes the
+and losses after REFERENCE_STEPS optimizer steps, with the rank's place in the
+grid and, from step 06 on, the dimension each tensor-parallel shard was split on
+(`tp_split_dim`), so that harness.py can put the shards back together. Rank 0 then computes the
 single-device reference: the whole model on the whole global batch, written
 here and not with the step's pipeline code, so it cannot share that code's bugs.
 """
@@ -45,7 +47,11 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
         status(out_case.parent, rank, f"{case}: step {step}")
         losses.append(train.train_step(run, step)["loss"])
     weights = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
-    torch.save(dict(losses=losses, grads=grads, names=names, weights=weights), out_case / f"rank{rank}.pt")
+    splits = {n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()}
+    # (replica, TP rank, TP size); before step 06 there is no TP: (dp_rank, 0, 1).
+    place = (run.pgm.dp_rank, getattr(run.pgm, "tp_rank", 0), getattr(run.pgm, "tp", 1))
+    torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place),
+               out_case / f"rank{rank}.pt")
     return args
 
 
@@ -55,6 +61,8 @@ def reference(args, out_case: Path):
     import model
 
     cfg = model.ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
+    if getattr(args, "tie_embeddings", False):  # step 06: one matrix for the embedding and the LM head
+        cfg.tie_embeddings = True
     net = model.Transformer(cfg, seed=args.seed)
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
     tokens = data.load_tokens(args.data)
