@@ -48,30 +48,36 @@ def inputs(*shape, requires_grad=True):
         .requires_grad_(requires_grad)
 
 
-def column(tpm, tp):
-    """f, then a column-parallel linear: output slice and input gradient against x W^T."""
+def linear_reference():
+    """x [4, 6, 16], W [12, 16] and y = x W^T on one device, backpropagated from ones."""
     x, w = inputs(4, 6, 16), inputs(12, 16)
     y = F.linear(x, w)
     y.backward(torch.ones_like(y))
-    layer = tpm.ColumnParallelLinear(16, 12, tp)
-    layer.weight.data.copy_(w.detach().chunk(tp.size, 0)[tp.rank])
-    xs = x.detach().clone().requires_grad_()
-    ys = layer(tpm.copy_to_tp_region(xs, tp))
-    ys.backward(torch.ones_like(ys))
+    return x, w, y
+
+
+def split_layer_backward(layer, w_slice, x):
+    """Load the layer with its slice of W, run it on x and backpropagate from ones; returns its output."""
+    layer.weight.data.copy_(w_slice)
+    y = layer(x)
+    y.backward(torch.ones_like(y))
+    return y
+
+
+def column(tpm, tp):
+    """f, then a column-parallel linear: output slice and input gradient against x W^T."""
+    x, w, y = linear_reference()
+    layer, xs = tpm.ColumnParallelLinear(16, 12, tp), x.detach().clone().requires_grad_()
+    ys = split_layer_backward(layer, w.detach().chunk(tp.size, 0)[tp.rank], tpm.copy_to_tp_region(xs, tp))
     return [(ys, y.chunk(tp.size, -1)[tp.rank]), (xs.grad, x.grad),
             (layer.weight.grad, w.grad.chunk(tp.size, 0)[tp.rank])]
 
 
 def row(tpm, tp):
     """A row-parallel linear, g included: the summed output and the input slice's gradient."""
-    x, w = inputs(4, 6, 16), inputs(12, 16)
-    y = F.linear(x, w)
-    y.backward(torch.ones_like(y))
-    layer = tpm.RowParallelLinear(16, 12, tp)
-    layer.weight.data.copy_(w.detach().chunk(tp.size, 1)[tp.rank])
-    xs = x.detach().chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
-    ys = layer(xs)
-    ys.backward(torch.ones_like(ys))
+    x, w, y = linear_reference()
+    layer, xs = tpm.RowParallelLinear(16, 12, tp), x.detach().chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
+    ys = split_layer_backward(layer, w.detach().chunk(tp.size, 1)[tp.rank], xs)
     return [(ys, y), (xs.grad, x.grad.chunk(tp.size, -1)[tp.rank]),
             (layer.weight.grad, w.grad.chunk(tp.size, 1)[tp.rank])]
 
