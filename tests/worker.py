@@ -48,8 +48,9 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
         losses.append(train.train_step(run, step)["loss"])
     weights = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
     splits = {n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()}
-    # (replica, TP rank, TP size); before step 06 there is no TP: (dp_rank, 0, 1).
-    place = (run.pgm.dp_rank, getattr(run.pgm, "tp_rank", 0), getattr(run.pgm, "tp", 1))
+    # (replica, TP rank, TP size): no data parallelism before step 03 (no run.pgm), no TP before step 06.
+    pgm = getattr(run, "pgm", None)
+    place = (getattr(pgm, "dp_rank", 0), getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1))
     torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place),
                out_case / f"rank{rank}.pt")
     return args
