@@ -110,6 +110,11 @@ def case_finished(case_dir: Path, world: int) -> bool:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error; where either holds inf or nan (an fp16 overflow), 0 if both hold the same values
+    in the same places, bitwise, else inf (never nan, which would pass every `err > tol`)."""
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        same = torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        return 0.0 if same else float("inf")
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 

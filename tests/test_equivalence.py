@@ -8,8 +8,9 @@ All cases of one step and world size share one launch of `world` processes,
 so the suite pays Python and torch start-up once per group, not per case.
 """
 import pytest
+import torch
 
-from harness import compare_case, run_cases
+from harness import compare_case, rel_err, run_cases
 
 # A tiny model: the schedule is what is under test, not the arithmetic.
 TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
@@ -77,3 +78,12 @@ def test_matches_single_device(step, world, flags, group_results, replay_passes)
     assert failure is None, f"{label}: {failure}"
     errors = compare_case(case_dir, world, label)
     assert not errors, "\n".join(errors[:25])
+
+
+def test_a_nan_or_inf_never_passes_for_a_small_error():
+    """rel_err of a gradient gone nan or inf is inf, not nan (nan > tolerance is False: it would pass);
+    the same overflow on both sides, bitwise, is no error."""
+    ones, bad = torch.ones(3), torch.tensor([1.0, float("nan"), float("inf")])
+    assert rel_err(bad, ones) == float("inf") and rel_err(ones, bad) == float("inf")
+    assert rel_err(bad, bad.clone()) == 0.0 and rel_err(ones, ones) == 0.0
+    assert rel_err(bad, torch.tensor([1.0, float("nan"), -float("inf")])) == float("inf")
