@@ -7,10 +7,13 @@ tensor-parallel index fastest. With tp=2, pp=2, dp=2:
     stage 1: ranks 4 5 | 6 7         DP groups (0 2), (1 3), ...: same shard, different data
              replica 0 | replica 1   PP groups (0 4), (1 5), ...: a pipeline of one shard
 
-TP sends two all-reduces of the whole activation per layer per microbatch, DP one
-all-reduce of the gradients per step, PP one activation per stage boundary per
-microbatch. Adjacent ranks sit in one node on the fastest links, so the heaviest
-traffic, TP, gets them; the pipeline, the lightest, can cross nodes.
+TP all-reduces a whole microbatch activation twice per layer in every forward
+and twice in every backward, and every layer waits for it: by far the most
+traffic, on the critical path. DP all-reduces the gradients once per step, PP
+sends one activation and one gradient per stage boundary per microbatch (tp-fold
+less with scatter-gather); both can overlap compute. Adjacent ranks sit in one
+node on the fastest links, so TP gets them, and the pipeline, whose messages go
+between two ranks only, is the one that crosses nodes (notebook, section 6).
 
 A rank sends activations to the same (dp_rank, tp_rank) of the next stage, and
 averages its gradients with the same (stage, tp_rank) of the other replicas.
