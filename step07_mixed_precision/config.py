@@ -15,6 +15,7 @@ import torch
 
 from data import DEFAULT_CORPUS_BYTES
 from distributed import world_from_env
+from mixed_precision import DTYPES as PRECISIONS
 from model import ModelConfig
 from p2p import ORDERINGS
 from schedule import SCHEDULES
@@ -43,6 +44,18 @@ def build_parser(description=None):
     p.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
     p.add_argument("--deallocate", action="store_true",
                    help="free each output's storage once it is sent, keeping its autograd graph")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
+                   "activations and pipeline messages (fp32 master weights and gradient sums either way)")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0**16,
+                   help="fp16: the dynamic loss scaler's first scale (Megatron-LM starts at 2**32)")
+    p.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
+    p.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: clean steps after which the scale doubles")
+    p.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16: overflows since the last growth before the scale halves")
+    p.add_argument("--loss-scale", type=float, default=None, help="a constant loss scale instead of the dynamic one")
+    p.add_argument("--clip-grad", type=float, default=0.0,
+                   help="clip the gradients to this global norm (0: no clipping)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--layers", type=int, default=8, help="decoder layers of the whole model")
     p.add_argument("--hidden", type=int, default=128, help="width of the hidden states")
@@ -127,6 +140,22 @@ def check_schedule(args):
                           "for the interleaved schedule")
 
 
+def check_precision(args):
+    """The number format and its loss scaler."""
+    if args.precision not in PRECISIONS:
+        raise ConfigError(f"--precision {args.precision} is unknown: use {', '.join(PRECISIONS)}")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ConfigError(f"--loss-scale {args.loss_scale} must be positive")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale < math.inf:
+        raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
+                          f"{args.initial_loss_scale} must satisfy 0 < min <= initial, finite")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise ConfigError(f"--loss-scale-window {args.loss_scale_window} and --hysteresis {args.hysteresis} "
+                          "must be at least 1")
+    if not 0 <= args.clip_grad < math.inf:
+        raise ConfigError(f"--clip-grad {args.clip_grad} must be 0 (off) or a positive global norm")
+
+
 def check_files(args):
     """The data must exist and outs must have somewhere to go, before the run rather than after it."""
     if args.data and not os.path.isfile(args.data):
@@ -166,5 +195,6 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_device(args.device, cuda_available)
     check_model(args)
     check_tensor_parallel(args)
+    check_precision(args)
     check_files(args)
     return args

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 
-def average_gradients(model, pgm, timeline):
-    """All-reduce this stage's gradients over its data-parallel group, in one flat buffer."""
+def average_gradients(grads, pgm, timeline):
+    """All-reduce this stage's gradients (the fp32 sums over its microbatches) over its data-parallel
+    group, in one flat buffer."""
     if pgm.dp == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [g for g in grads if g is not None]
     with timeline.span("allreduce"):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=pgm.dp_group)  # sum over the replicas of this stage

@@ -90,8 +90,8 @@ class Stash:
         received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
         if stage.recompute:
             x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
-        if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
-            out_grad = torch.full_like(out, 1 / len(self.microbatches))
+        if stage.is_last:  # d(S x batch mean loss) / d(microbatch mean loss), S the loss scale (step 07)
+            out_grad = torch.full_like(out, stage.loss_scale / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad)
         self.comm.recycle(*received)
         return input_grad

@@ -51,6 +51,7 @@ class PipelineStage:
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
         self.timeline = timeline or Timeline(enabled=False)
+        self.loss_scale = 1.0  # fp16: the last stage's backward starts from the scaled loss (train.py sets it)
         self.meter = meter or ActivationMeter(enabled=False)
 
     def _run(self, x, target):

@@ -8,6 +8,7 @@ stages form a pipeline run by any schedule of steps 03-05, and dp copies of the
 whole grid train on different data. --tp 1 is step 05.
 """
 import json
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,7 @@ from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
 from tied_embeddings import sum_embedding_grads
 from data_parallel import average_gradients
+from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager, describe_rank
@@ -47,7 +49,7 @@ class Run:
     device: torch.device
     pgm: ProcessGroupManager
     model: torch.nn.Module  # all of this rank's parameters, named as in the whole model
-    optimizer: torch.optim.Optimizer
+    optimizer: MixedPrecisionOptimizer
     stages: list  # this rank's PipelineStages
     comm: PipelineComm
     tokens: torch.Tensor
@@ -67,14 +69,15 @@ def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
     pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp)
     timeline = Timeline(dist.get_rank(), device)
-    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device)
+    dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
+    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
     meter = ActivationMeter(model)
     stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
                             timeline=timeline, meter=meter) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p, args.scatter_gather)
+    comm = PipelineComm(pgm, shape, dtype, device, timeline, args.p2p, args.scatter_gather)  # pipeline_dtype
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -103,13 +106,15 @@ def share_loss(run, loss):
 def compute_gradients(run, step: int) -> float:
     """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad()
+    for stage in run.stages:
+        stage.loss_scale = run.optimizer.loss_scale
     run.comm.begin_step()
     loss = SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.model, run.pgm, run.timeline)
+    average_gradients(run.optimizer.main_grads(), run.pgm, run.timeline)
     if run.args.tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
         sum_embedding_grads(run.model, run.pgm, run.timeline)
     return share_loss(run, loss)
@@ -130,11 +135,11 @@ def train_step(run, step: int) -> dict:
     run.timeline.start_step(step)
     start = time.perf_counter()
     loss = compute_gradients(run, step)
-    run.optimizer.step()
+    update = run.optimizer.step()  # loss_scale, skipped, grad_norm: the same on every rank of a replica
     elapsed = time.perf_counter() - start  # rank 0's step ends after the last stage's loss has reached it
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
-    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
+    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed, **update)
 
 
 def gather_peaks(run) -> dict:
@@ -181,8 +186,10 @@ def train(args):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
         if dist.get_rank() == 0:
+            scaling = f"  scale 2^{math.log2(record['loss_scale']):g}" if run.optimizer.scaler else ""
             print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
-                  f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
+                  f"{record['tokens_per_s']:9.0f} tokens/s{scaling}{'  skipped' if record['skipped'] else ''}",
+                  flush=True)
             if log:
                 log.write(json.dumps(record) + "\n")
     if log:
