@@ -157,6 +157,7 @@ class FakeStage:
         self.log, self.dist, self.chunk, self.g = log, dist, chunk, global_chunk
         self.is_first, self.is_last = global_chunk == 0, global_chunk == n_chunks - 1
         self.recompute, self.microbatches = False, microbatches
+        self.loss_scale = 1.0  # step 07: what the last stage's backward is seeded with, times 1/m
 
     def _given(self, tensor, expected, what):
         """Remember what a consumed tensor should hold; a received one is judged after matching."""

@@ -10,7 +10,7 @@ so the suite pays Python and torch start-up once per group, not per case.
 import pytest
 import torch
 
-from harness import compare_case, rel_err, run_cases
+from harness import RTOL, WEIGHT_RTOL, compare_case, rel_err, run_cases
 
 # A tiny model: the schedule is what is under test, not the arithmetic.
 TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
@@ -51,7 +51,25 @@ CASES = [
       for extra in (["--schedule", "afab"], ["--schedule", "1f1b", "--deallocate"], ["--virtual-stages", "2"],
                     ["--scatter-gather"], ["--tie-embeddings"], ["--virtual-stages", "2", "--tie-embeddings"])],
     case("step06_tp", 4, "--tp", "2", "--dp", "2", "--layers", "2", "--microbatches", "2"),
+    # Mixed precision against the microbatch-wise reference in the same precision (worker.reference_half).
+    *[case("step07_mixed_precision", pp, "--pp", str(pp), "--layers", "4", "--microbatches", "4", "--precision", pr)
+      for pp in (2, 4) for pr in ("bf16", "fp16")],
+    case("step07_mixed_precision", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2",
+         "--precision", "bf16"),
+    case("step07_mixed_precision", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "2",
+         "--precision", "bf16"),
+    case("step07_mixed_precision", 2, "--pp", "2", "--layers", "4", "--microbatches", "4"),
 ]
+
+
+def tolerances(flags):
+    """(gradients, weights). fp32: harness's. Half precision without TP: bitwise, since a pipeline rounds
+    exactly where the microbatch-wise reference does. With TP the row-parallel sums are rounded to the
+    half type on each rank before the all-reduce adds them: bf16 keeps 8 bits, about 4e-3 relative per
+    rounding, and a gradient passes several."""
+    if "--precision" not in flags or flags[flags.index("--precision") + 1] == "fp32":
+        return RTOL, WEIGHT_RTOL
+    return (2e-2, 2e-2) if "--tp" in flags else (0.0, 0.0)
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +94,7 @@ def test_matches_single_device(step, world, flags, group_results, replay_passes)
     case_dir, failure = group_results(step, world)[tuple(flags)]
     label = f"{step} [{' '.join(flags[len(TINY):])}]"
     assert failure is None, f"{label}: {failure}"
-    errors = compare_case(case_dir, world, label)
+    errors = compare_case(case_dir, world, label, *tolerances(flags))
     assert not errors, "\n".join(errors[:25])
 
 

@@ -40,18 +40,24 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
     case = f"[{' '.join(argv)}]"
     status(out_case.parent, rank, f"{case}: step 0 forward/backward")
     losses = [train.compute_gradients(run, 0)]
-    grads = {n: p.grad.detach().cpu().clone() for n, p in run.model.named_parameters() if p.grad is not None}
+    # Step 07 in half precision: the fp32 sums of the microbatches' gradients (still times the loss scale).
+    grads = {n: getattr(p, "main_grad", p.grad).detach().cpu().clone() for n, p in run.model.named_parameters()
+             if getattr(p, "main_grad", p.grad) is not None}
     names = [n for n, _ in run.model.named_parameters()]
-    run.optimizer.step()
+    records = [run.optimizer.step() or {}]  # step 07 returns loss_scale, skipped and grad_norm
     for step in range(1, REFERENCE_STEPS):
         status(out_case.parent, rank, f"{case}: step {step}")
-        losses.append(train.train_step(run, step)["loss"])
+        records.append(train.train_step(run, step))
+        losses.append(records[-1]["loss"])
     weights = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
+    masters = dict(zip(names, getattr(run.optimizer, "masters", [])))  # step 07: the fp32 master weights
+    scales = [r.get("loss_scale") for r in records]
     splits = {n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()}
     # (replica, TP rank, TP size): no data parallelism before step 03 (no run.pgm), no TP before step 06.
     pgm = getattr(run, "pgm", None)
     place = (getattr(pgm, "dp_rank", 0), getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1))
-    torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place),
+    torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place,
+                    masters={n: t.detach().cpu().clone() for n, t in masters.items()}, scales=scales),
                out_case / f"rank{rank}.pt")
     return args
 
@@ -82,6 +88,84 @@ def reference(args, out_case: Path):
     torch.save(dict(losses=losses, grads=grads, weights=weights), out_case / "reference.pt")
 
 
+class Scaler:
+    """The loss scale as the reference sees it: x2 after `window` clean steps, x0.5 (floored) on an
+    overflow once `hysteresis` overflows have happened since the last growth; 1 when not scaling."""
+
+    def __init__(self, args):
+        self.dynamic = args.precision == "fp16" and not args.loss_scale
+        self.scale = args.loss_scale or (args.initial_loss_scale if self.dynamic else 1.0)
+        self.window, self.hysteresis, self.floor = args.loss_scale_window, args.hysteresis, args.min_loss_scale
+        self.clean = self.overflows = 0
+
+    def update(self, overflow: bool):
+        if not self.dynamic:
+            return
+        if overflow:
+            self.clean, self.overflows = 0, self.overflows + 1
+            if self.overflows >= self.hysteresis:
+                self.scale = max(self.scale / 2, self.floor)
+        else:
+            self.clean += 1
+            if self.clean == self.window:
+                self.scale, self.clean, self.overflows = self.scale * 2, 0, 0
+
+
+def reference_half(args, out_case: Path):
+    """The whole model on one device in the run's half type, computed as a pipeline computes it: microbatch
+    by microbatch, each microbatch's loss scaled by S / m, its half gradients added into fp32 sums in
+    microbatch order, the replicas' sums added in replica order and divided by dp; unscaled, skipped on
+    any inf or nan, clipped, then AdamW on fp32 master weights, cast back into the half weights."""
+    import data
+    import model
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    cfg = model.ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
+    net = model.Transformer(cfg, seed=args.seed).to(dtype)
+    params = dict(net.named_parameters())
+    masters = {n: p.detach().float() for n, p in params.items()}
+    optimizer = torch.optim.AdamW(masters.values(), lr=args.lr)
+    scaler = Scaler(args)
+    tokens, m, rows = data.load_tokens(args.data), args.microbatches, args.batch_size // args.dp
+    losses, grads, scales = [], None, []
+    for step in range(REFERENCE_STEPS):
+        inputs, targets = data.get_batch(tokens, step, args.batch_size, args.seq_len, args.seed)
+        total, loss_sum, scales = None, 0.0, scales + [scaler.scale]
+        for d in range(args.dp):
+            sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+            replica_loss = None
+            for x, y in zip(inputs[d * rows:(d + 1) * rows].chunk(m), targets[d * rows:(d + 1) * rows].chunk(m)):
+                logits = net(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+                loss.backward(torch.full_like(loss, scaler.scale / m))
+                replica_loss = loss.detach() if replica_loss is None else replica_loss + loss.detach()
+                for n, p in params.items():
+                    sums[n] += p.grad.float()
+                    p.grad = None
+            loss_sum += (replica_loss / m).item()
+            total = sums if total is None else {n: total[n] + sums[n] for n in sums}
+        total = {n: g / args.dp for n, g in total.items()} if args.dp > 1 else total
+        losses.append(loss_sum / args.dp)
+        if step == 0:
+            grads = {n: g.clone() for n, g in total.items()}
+        unscaled = {n: g * (1 / scaler.scale) for n, g in total.items()}
+        overflow = any(not torch.isfinite(g).all() for g in unscaled.values())
+        scaler.update(overflow)
+        if overflow:
+            continue
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in unscaled.values())).item()
+        coeff = args.clip_grad / (norm + 1e-6) if args.clip_grad else 1.0
+        for n, master in masters.items():
+            master.grad = unscaled[n] * coeff if coeff < 1 else unscaled[n]
+        optimizer.step()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(masters[n])
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    torch.save(dict(losses=losses, grads=grads, weights=weights, masters=masters, scales=scales),
+               out_case / "reference.pt")
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -99,7 +183,8 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         args = pipelined(train, argv, device, out_case, rank)
         if rank == 0:
             status(out, rank, f"[{' '.join(argv)}]: single-device reference")
-            reference(args, out_case)
+            half = getattr(args, "precision", "fp32") != "fp32"
+            (reference_half if half else reference)(args, out_case)
         dist.barrier()
     status(out, rank, "done")
     distributed.shutdown()
