@@ -143,6 +143,14 @@ CASES += [
     *bad(TP_STEPS, 4, ["--tp", "2", "--pp", "3"], "--tp 2 x --pp 3 x --dp 1 = 6", "world size 4"),
     *bad(TP_STEPS, 4, ["--tp", "0"], "--tp 0", "must be positive"),
 ]
+MP_STEPS = [s for s in STEPS if s >= "step07"]
+CASES += [
+    *bad(MP_STEPS, 1, ["--precision", "fp8"], "--precision fp8", "unknown", "fp32, bf16, fp16"),
+    *bad(MP_STEPS, 1, ["--precision", "fp16", "--loss-scale", "0"], "--loss-scale 0.0", "must be positive"),
+    *bad(MP_STEPS, 1, ["--precision", "fp16", "--loss-scale-window", "0"], "--loss-scale-window 0", "at least 1"),
+    *bad(MP_STEPS, 1, ["--initial-loss-scale", "-1"], "--initial-loss-scale -1.0"),
+    *bad(MP_STEPS, 1, ["--clip-grad", "-1"], "--clip-grad -1.0"),
+]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
 

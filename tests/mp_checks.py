@@ -1,0 +1,93 @@
+"""Step 07's shared skip and global norm, checked inside a run of 4 ranks (tp 2 x pp 2).
+
+    (4 ranks)  python tests/mp_checks.py STEP_DIR inf OUT.json
+    (4 ranks)  python tests/mp_checks.py STEP_DIR norm OUT.json
+
+inf:  after one step's backward, one gradient entry on rank 3 only is set to inf;
+      every rank must skip the step. Control: found_inf on the same gradients with
+      its MAX all-reduce dropped (wrapping the step's own dist.all_reduce), where
+      only rank 3 notices.
+norm: the global norm the optimizer computes (fp32, no clipping) against
+      torch.nn.utils.clip_grad_norm_ over the single-device model's gradients,
+      and the names each rank counts, so the test can check each number counts once.
+"""
+import json
+import os
+import sys
+
+import torch
+
+FLAGS = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+         "--layers", "4", "--microbatches", "2", "--tp", "2", "--pp", "2", "--timeout", "60"]
+
+
+def without_max_all_reduce(real, max_op):
+    """The control: an all_reduce that does nothing for MAX (found_inf) and passes every other through."""
+    def all_reduce(tensor, op=None, group=None):
+        if op != max_op:
+            real(tensor, group=group) if op is None else real(tensor, op=op, group=group)
+    return all_reduce
+
+
+def injected_inf(train, mixed_precision, device):
+    """skip: what step() decided on this rank. control: found_inf on the same gradients with its MAX
+    all-reduce dropped (a full step would then split the ranks: rank 3 skipping, the others going on
+    to the norm's all-reduce, waiting for rank 3 until the timeout)."""
+    import torch.distributed as dist
+
+    run = train.build(train.parse_args([*FLAGS, "--precision", "fp16"]), device)
+    train.compute_gradients(run, 0)
+    if dist.get_rank() == 3:
+        run.optimizer.main_grads()[0].view(-1)[0] = float("inf")
+    real = mixed_precision.dist.all_reduce
+    mixed_precision.dist.all_reduce = without_max_all_reduce(real, dist.ReduceOp.MAX)
+    try:
+        control = run.optimizer.found_inf(run.optimizer.main_grads())
+    finally:
+        mixed_precision.dist.all_reduce = real
+    return dict(skip=run.optimizer.step()["skipped"], control=control)
+
+
+def global_norm(train, mixed_precision, device, model, data):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    args = train.parse_args([*FLAGS, "--tie-embeddings"])
+    run = train.build(args, device)
+    train.compute_gradients(run, 0)
+    counted = [n for n, p in run.model.named_parameters() if run.optimizer.counted_once(p)]
+    norm = run.optimizer.step()["grad_norm"]
+    reference = None
+    if dist.get_rank() == 0:
+        net = model.Transformer(train.model_config(args), seed=args.seed)
+        inputs, targets = data.get_batch(data.load_tokens(args.data), 0, args.batch_size, args.seq_len, args.seed)
+        logits = net(inputs)
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+        reference = torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")).item()
+    return dict(norm=norm, reference=reference, counted=counted, tp_rank=run.pgm.tp_rank,
+                splits={n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()})
+
+
+def main(step_dir, mode, out):
+    sys.path.insert(0, os.path.abspath(step_dir))
+    torch.set_num_threads(1)
+    import data
+    import distributed
+    import mixed_precision
+    import model
+    import torch.distributed as dist
+    import train
+
+    device = distributed.init_distributed("cpu", 60)
+    found = injected_inf(train, mixed_precision, device) if mode == "inf" else \
+        global_norm(train, mixed_precision, device, model, data)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, found)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(per_rank, f)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,45 @@
+"""Step 07: every rank skips an overflowed step together, and the global gradient norm counts each number once.
+
+Equivalence with the microbatch-wise half-precision reference, overflow skips included, is in
+test_equivalence.py; the loss scaler's rules in test_loss_scaler.py.
+"""
+import json
+import sys
+
+import pytest
+
+from conftest import STEPS
+from harness import REPO, launch
+
+MP_STEPS = [s for s in STEPS if s >= "step07"]
+CHECKS = REPO / "tests" / "mp_checks.py"
+
+
+def run_checks(step_dir, mode, tmp_path):
+    launch([sys.executable, str(CHECKS), str(step_dir), mode, str(tmp_path / "found.json")], 4, tmp_path, 180)
+    return json.loads((tmp_path / "found.json").read_text())
+
+
+@pytest.mark.parametrize("step", MP_STEPS)
+def test_an_inf_on_one_rank_makes_every_rank_skip(step, step_dirs, tmp_path):
+    """tp 2 x pp 2 in fp16, an inf put into one gradient of rank 3 only. Control: without the MAX
+    all-reduce of found_inf only rank 3 skips."""
+    found = run_checks(step_dirs[step], "inf", tmp_path)
+    assert [f["skip"] for f in found] == [True] * 4
+    assert [f["control"] for f in found] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("step", MP_STEPS)
+def test_global_norm_counts_every_number_once(step, step_dirs, tmp_path):
+    """tp 2 x pp 2, tied embeddings, fp32: every rank's norm is clip_grad_norm_ of the single-device
+    gradients (1e-6 relative). A double count moves the norm by only about 1e-4, so the set of counted
+    parameters is checked itself: a split parameter on each TP rank, a replicated one on one rank only,
+    the last stage's copy of the tied embedding nowhere."""
+    found = run_checks(step_dirs[step], "norm", tmp_path)
+    reference = found[0]["reference"]
+    assert all(abs(f["norm"] - reference) <= 1e-6 * reference for f in found), [f["norm"] for f in found]
+    names = {n for f in found for n in f["splits"]}
+    for name in names:
+        counts = sum(name in f["counted"] for f in found)
+        split = next(f["splits"][name] for f in found if name in f["splits"])
+        assert counts == (2 if split is not None else 1), (name, counts)
