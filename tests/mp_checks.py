@@ -4,7 +4,9 @@
     (4 ranks)  python tests/mp_checks.py STEP_DIR norm OUT.json
 
 inf:  after one step's backward, one gradient entry on rank 3 only is set to inf;
-      every rank must skip the step. Control: found_inf on the same gradients with
+      every rank must skip the step, leave its half weights and fp32 masters bitwise
+      as they were and create no optimizer state. Also reports the dtypes of the
+      weights (half), the main gradients (fp32) and the pipeline's receive buffers (half). Control: found_inf on the same gradients with
       its MAX all-reduce dropped (wrapping the step's own dist.all_reduce), where
       only rank 3 notices.
 norm: the global norm the optimizer computes (fp32, no clipping) against
@@ -36,7 +38,11 @@ def injected_inf(train, mixed_precision, device):
     import torch.distributed as dist
 
     run = train.build(train.parse_args([*FLAGS, "--precision", "fp16"]), device)
+    before = [t.detach().clone() for t in (*run.model.parameters(), *run.optimizer.masters)]
     train.compute_gradients(run, 0)
+    dtypes = dict(params=sorted({str(p.dtype) for p in run.model.parameters()}),
+                  main_grads=sorted({str(g.dtype) for g in run.optimizer.main_grads()}),
+                  received=sorted({str(t.dtype) for t in run.comm.free}))  # the step's receive buffers
     if dist.get_rank() == 3:
         run.optimizer.main_grads()[0].view(-1)[0] = float("inf")
     real = mixed_precision.dist.all_reduce
@@ -45,7 +51,10 @@ def injected_inf(train, mixed_precision, device):
         control = run.optimizer.found_inf(run.optimizer.main_grads())
     finally:
         mixed_precision.dist.all_reduce = real
-    return dict(skip=run.optimizer.step()["skipped"], control=control)
+    skip = run.optimizer.step()["skipped"]
+    after = [t.detach() for t in (*run.model.parameters(), *run.optimizer.masters)]
+    return dict(skip=skip, control=control, dtypes=dtypes, optimizer_state=len(run.optimizer.adamw.state),
+                unchanged=all(torch.equal(a, b) for a, b in zip(before, after)))
 
 
 def global_norm(train, mixed_precision, device, model, data):

@@ -22,11 +22,17 @@ def run_checks(step_dir, mode, tmp_path):
 
 @pytest.mark.parametrize("step", MP_STEPS)
 def test_an_inf_on_one_rank_makes_every_rank_skip(step, step_dirs, tmp_path):
-    """tp 2 x pp 2 in fp16, an inf put into one gradient of rank 3 only. Control: without the MAX
-    all-reduce of found_inf only rank 3 skips."""
+    """tp 2 x pp 2 in fp16, an inf put into one gradient of rank 3 only: every rank skips, weights and
+    masters stay bitwise, no optimizer state appears. Control: without the MAX all-reduce of found_inf
+    only rank 3 finds the inf. The same run shows the types: half weights and pipeline messages, fp32
+    main gradients."""
     found = run_checks(step_dirs[step], "inf", tmp_path)
     assert [f["skip"] for f in found] == [True] * 4
     assert [f["control"] for f in found] == [False, False, False, True]
+    for rank, f in enumerate(found):
+        assert f["unchanged"] and f["optimizer_state"] == 0, (rank, f)
+        assert f["dtypes"] == dict(params=["torch.float16"], main_grads=["torch.float32"],
+                                   received=["torch.float16"]), (rank, f["dtypes"])
 
 
 @pytest.mark.parametrize("step", MP_STEPS)
