@@ -1,11 +1,12 @@
-"""Step 06 - tensor parallelism inside each pipeline stage: a (tp x pp x dp) grid of ranks.
+"""Step 07 - mixed precision across the pipeline: half-precision stages, fp32 master weights, one skip for all.
 
-    torchrun --nproc_per_node 4 step06_tp/train.py --tp 2 --pp 2
+    torchrun --nproc_per_node 2 step07_mixed_precision/train.py --precision bf16
 
-Each stage's layers are split over tp ranks (Megatron-LM's tensor parallelism:
-attention by heads, the MLP by width, embedding and head by vocabulary), the
-stages form a pipeline run by any schedule of steps 03-05, and dp copies of the
-whole grid train on different data. --tp 1 is step 05.
+The stages compute and send in bf16 or fp16; each parameter's gradient is summed
+over the microbatches in fp32 and the optimizer steps fp32 master weights (as
+Megatron-LM's Float16OptimizerWithFloat16Params). fp16 scales the loss with a
+dynamic loss scaler, and an overflow on any rank makes every rank skip the step.
+--precision fp32 is step 06.
 """
 import json
 import math
