@@ -84,7 +84,7 @@ class MixedPrecisionOptimizer:
 
     def found_inf(self, grads) -> bool:
         """Any inf or nan in any gradient of this replica (an all-reduce over the model-parallel group)."""
-        found = torch.zeros((), device=grads[0].device) if grads else torch.zeros(())
+        found = torch.zeros((), device=self.params[0].device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)
@@ -96,9 +96,10 @@ class MixedPrecisionOptimizer:
             return False  # the last stage's copy of the tied embedding
         return getattr(param, "tp_split_dim", None) is not None or self.pgm.tp_rank == 0
 
-    def global_norm(self, grads) -> float:
-        squares = torch.zeros((), device=grads[0].device) if grads else torch.zeros(())
-        for p, g in zip(self.params, grads):
+    def global_norm(self) -> float:
+        """The L2 norm of the whole model's main gradients: local squares, summed over the replica."""
+        squares = torch.zeros((), device=self.params[0].device)
+        for p, g in zip(self.params, self.main_grads()):
             if g is not None and self.counted_once(p):
                 squares = squares + g.float().pow(2).sum()
         dist.all_reduce(squares, group=self.pgm.model_parallel_group)
@@ -115,7 +116,7 @@ class MixedPrecisionOptimizer:
             self.scaler.update(skipped)  # the same on every rank: found_inf was all-reduced
         if skipped:  # every rank of the replica skips the clip, the step and the copy back
             return dict(skipped=True, grad_norm=None, loss_scale=scale)
-        norm = self.global_norm(grads)
+        norm = self.global_norm()
         if self.clip and self.clip / (norm + 1e-6) < 1:  # Megatron's clip_grad_norm_fp32
             for g in grads:
                 g.mul_(self.clip / (norm + 1e-6))

@@ -19,5 +19,5 @@ def sum_embedding_grads(model, pgm, timeline):
     weight = dict(model.named_parameters()).get("embed.weight")
     if pgm.embedding_group is None or weight is None:
         return  # pp = 1 (autograd summed the two uses already), or a middle stage
-    with timeline.span("allreduce", what="tied embedding gradient"):  # the fp32 sum in half precision
+    with timeline.span("allreduce", what="tied embedding gradient"):  # step 07: the fp32 main_grad if half
         dist.all_reduce(getattr(weight, "main_grad", weight.grad), group=pgm.embedding_group)

@@ -9,9 +9,11 @@ inf:  after one step's backward, one gradient entry on rank 3 only is set to inf
       weights (half), the main gradients (fp32) and the pipeline's receive buffers (half). Control: found_inf on the same gradients with
       its MAX all-reduce dropped (wrapping the step's own dist.all_reduce), where
       only rank 3 notices.
-norm: the global norm the optimizer computes (fp32, no clipping) against
+norm: the global norm the optimizer computes (fp32, --clip-grad 0.5) against
       torch.nn.utils.clip_grad_norm_ over the single-device model's gradients,
       and the names each rank counts, so the test can check each number counts once.
+      Also whether the step scaled every gradient by exactly CLIP / (norm + 1e-6),
+      Megatron's factor, computed here from the norm the step returned.
 """
 import json
 import os
@@ -21,6 +23,7 @@ import torch
 
 FLAGS = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
          "--layers", "4", "--microbatches", "2", "--tp", "2", "--pp", "2", "--timeout", "60"]
+CLIP = 0.5  # below the tiny model's first gradient norm (about 1.3), so the step clips
 
 
 def without_max_all_reduce(real, max_op):
@@ -61,11 +64,14 @@ def global_norm(train, mixed_precision, device, model, data):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    args = train.parse_args([*FLAGS, "--tie-embeddings"])
+    args = train.parse_args([*FLAGS, "--tie-embeddings", "--clip-grad", str(CLIP)])
     run = train.build(args, device)
     train.compute_gradients(run, 0)
     counted = [n for n, p in run.model.named_parameters() if run.optimizer.counted_once(p)]
+    unclipped = [g.clone() for g in run.optimizer.main_grads()]
     norm = run.optimizer.step()["grad_norm"]
+    factor = CLIP / (norm + 1e-6)
+    clipped = all(torch.equal(g, u * factor) for g, u in zip(run.optimizer.main_grads(), unclipped))
     reference = None
     if dist.get_rank() == 0:
         net = model.Transformer(train.model_config(args), seed=args.seed)
@@ -73,7 +79,7 @@ def global_norm(train, mixed_precision, device, model, data):
         logits = net(inputs)
         F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
         reference = torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")).item()
-    return dict(norm=norm, reference=reference, counted=counted, tp_rank=run.pgm.tp_rank,
+    return dict(norm=norm, reference=reference, counted=counted, tp_rank=run.pgm.tp_rank, clipped=clipped,
                 splits={n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()})
 
 

@@ -36,14 +36,17 @@ def test_an_inf_on_one_rank_makes_every_rank_skip(step, step_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("step", MP_STEPS)
-def test_global_norm_counts_every_number_once(step, step_dirs, tmp_path):
+def test_global_norm_counts_every_number_once_and_clips(step, step_dirs, tmp_path):
     """tp 2 x pp 2, tied embeddings, fp32: every rank's norm is clip_grad_norm_ of the single-device
     gradients (1e-6 relative). A double count moves the norm by only about 1e-4, so the set of counted
     parameters is checked itself: a split parameter on each TP rank, a replicated one on one rank only,
-    the last stage's copy of the tied embedding nowhere."""
+    the last stage's copy of the tied embedding nowhere. With --clip-grad 0.5 every rank scales its
+    gradients by 0.5 / (norm + 1e-6), bitwise (the test checks that the norm is above 0.5: clipping is active)."""
     found = run_checks(step_dirs[step], "norm", tmp_path)
     reference = found[0]["reference"]
+    assert reference > 0.5, "the check needs a norm above the clip, or clipping is a no-op"
     assert all(abs(f["norm"] - reference) <= 1e-6 * reference for f in found), [f["norm"] for f in found]
+    assert [f["clipped"] for f in found] == [True] * 4
     names = {n for f in found for n in f["splits"]}
     for name in names:
         counts = sum(name in f["counted"] for f in found)
