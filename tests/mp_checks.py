@@ -6,9 +6,9 @@
 inf:  after one step's backward, one gradient entry on rank 3 only is set to inf;
       every rank must skip the step, leave its half weights and fp32 masters bitwise
       as they were and create no optimizer state. Also reports the dtypes of the
-      weights (half), the main gradients (fp32) and the pipeline's receive buffers (half). Control: found_inf on the same gradients with
-      its MAX all-reduce dropped (wrapping the step's own dist.all_reduce), where
-      only rank 3 notices.
+      weights (half), the main gradients (fp32) and the pipeline's receive buffers
+      (half). Control: found_inf on the same gradients with its MAX all-reduce
+      dropped (wrapping the step's own dist.all_reduce), where only rank 3 notices.
 norm: the global norm the optimizer computes (fp32, --clip-grad 0.5) against
       torch.nn.utils.clip_grad_norm_ over the single-device model's gradients,
       and the names each rank counts, so the test can check each number counts once.
