@@ -3,7 +3,8 @@
     python tests/check_formulas.py STEP_DIR   ->  prints a JSON report
 
 train.py prints `bubble_formula(args)` and `peak_stored_microbatches(args, stage)`, each a (text, value)
-pair from one function; this imports those functions from the step and compares their values.
+pair from one function; this imports those functions from the step and compares their values. Step 08's
+zb1p formula also takes the measured F, B and W times; it is checked for several.
 """
 import importlib
 import json
@@ -13,6 +14,7 @@ import sys
 import formulas
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
+TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5)]  # (F, B, W) for step 08's zb1p
 
 
 def configurations(parser):
@@ -45,10 +47,11 @@ def main(step_dir):
             continue
         count += 1
         name = schedule or ("afab" if module.__name__ == "schedule" else default)
-        text, value = module.bubble_formula(args)
-        if abs(value - formulas.bubble(name, pp, m, v)) > 1e-12:
-            problems.append(f"{name} pp={pp} m={m} v={v}: bubble {text} = {value}, expected "
-                            f"{formulas.bubble(name, pp, m, v)}")
+        for times in TIMES if name == "zb1p" else [None]:  # zb1p's bubble depends on the F, B, W times
+            text, value = module.bubble_formula(args, *[times] if times else [])
+            expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1))
+            if abs(value - expected) > 1e-12:
+                problems.append(f"{name} pp={pp} m={m} v={v}: bubble {text} = {value}, expected {expected}")
         for stage in range(pp) if hasattr(module, "peak_stored_microbatches") else []:
             text, value = module.peak_stored_microbatches(args, stage)
             if value != formulas.peak_stored(name, pp, stage, m, v):

@@ -4,24 +4,35 @@ Tests hold what train.py prints (and what the replay measures) to these.
 """
 
 
-def bubble(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
+def bubble(schedule: str, pp: int, m: int, virtual: int = 1, times=None) -> float:
     """Idle fraction of a rank's step: p-1 fill-and-drain slots beside the work slots.
 
     naive: one slot (the whole batch); GPipe, AFAB and 1F1B: m slots; interleaved: v*m slots.
+    zb1p: the idle time (p-1)(F+B-W) beside the work m(F+B+W), with times = (F, B, W).
     """
+    if schedule == "zb1p":
+        idle = zb1p_idle(pp, *times)
+        return idle / (m * sum(times) + idle)
     slots = {"naive": 1, "interleaved": virtual * m}.get(schedule, m)
     return (pp - 1) / (slots + pp - 1)
+
+
+def zb1p_idle(pp: int, f, b, w):
+    """ZB-H1's idle time per rank (Qi et al. 2024, section 3): 1F1B's (p-1)(F+B+W) less 2(p-1)W."""
+    return (pp - 1) * (f + b - w)
 
 
 def warmup(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) -> int:
     """Forwards a stage runs before its first backward."""
     if schedule in ("gpipe", "afab"):
         return m
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb1p"):
         return min(pp - stage - 1, m)
     return min((pp - stage - 1) * 2 + (virtual - 1) * pp, m * virtual)  # Megatron's interleaved warm-up
 
 
 def peak_stored(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) -> int:
     """(Virtual) microbatches whose activations a stage holds at once: the warm-up, plus the steady state's one."""
+    if schedule == "zb1p":  # 1F1B's p - stage, and the stage's W's wait for `stage` more microbatches
+        return min(pp, m)
     return m if schedule in ("gpipe", "afab") else min(warmup(schedule, pp, stage, m, virtual) + 1, m * virtual)

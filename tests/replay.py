@@ -29,7 +29,11 @@ no message carries a label.
 Negative controls, which the checker must catch: every rank posting its sends
 first, one at a time; two sends from one rank to its neighbour posted in swapped
 order; with pp 2, an activation and a gradient between the same two ranks
-swapped inside one batch; one backward run for the wrong microbatch.
+swapped inside one batch; one backward run for the wrong microbatch. Step 08's
+zb1p also logs each W: the W's must follow their split B's in FIFO order, none
+left over (controls: two W's swapped, a W before its B, the last W missing);
+and its ideal timeline (`ideal_timeline`, exact rational times) must idle
+(p-1)(F+B-W) on every rank, which 1F1B's order must fail.
 """
 import json
 import os
@@ -37,6 +41,7 @@ import sys
 import time
 from argparse import Namespace
 from collections import defaultdict, deque
+from fractions import Fraction
 
 import torch
 
@@ -170,14 +175,17 @@ class FakeStage:
         self._given(x, expected, f"forward of chunk {self.g} microbatch {mb}")
         return tag(ACTIVATION, self.g, mb)
 
-    def backward(self, mb, x, out, out_grad):
-        self.log.append(("B", (self.chunk, mb)))
+    def backward(self, mb, x, out, out_grad, split=False):
+        self.log.append(("B", (self.chunk, mb), split))  # split (step 08): B now, its W later
         if self.is_last:  # the schedule seeds the loss's backward with 1/m
             expected = torch.full_like(out_grad, 1 / self.microbatches)
         else:
             expected = tag(GRADIENT, self.g + 1, mb)
         self._given(out_grad, expected, f"backward of chunk {self.g} microbatch {mb}")
         return tag(GRADIENT, self.g, mb)
+
+    def backward_weights(self, mb):
+        self.log.append(("W", (self.chunk, mb)))
 
     def deallocate_output(self, mb, out):
         pass
@@ -198,12 +206,23 @@ def check_consumed(log):
     return problems
 
 
+def check_weight_order(compute):
+    """Step 08: the W's run in the order of their split B's (the store is a FIFO), each after its own B,
+    and none is left waiting at the end."""
+    split = [e[1] for e in compute if e[0] == "B" and e[2]]
+    weights = [e[1] for e in compute if e[0] == "W"]
+    if weights != split:
+        return [f"W's {weights} are not the split B's {split} in the same order"]
+    position = {(e[0], e[1]): i for i, e in enumerate(compute)}
+    return [f"W of {key} before its B" for key in weights if position["W", key] < position["B", key]]
+
+
 def check_compute_order(log, expected_count, expected_warmup, expected_peak):
-    """Problems in one rank's sequence of forwards and backwards."""
-    compute = [e for e in log if e[0] in ("F", "B")]
+    """Problems in one rank's sequence of forwards, backwards and (step 08) weight-gradient passes."""
+    compute = [e for e in log if e[0] in ("F", "B", "W")]
     forwards = [e[1] for e in compute if e[0] == "F"]
     backwards = [e[1] for e in compute if e[0] == "B"]
-    problems = []
+    problems = check_weight_order(compute)
     if not (len(forwards) == len(set(forwards)) == len(backwards) == len(set(backwards)) == expected_count
             and set(forwards) == set(backwards)):
         problems.append(f"forwards {forwards} and backwards {backwards} are not each microbatch once")
@@ -212,9 +231,9 @@ def check_compute_order(log, expected_count, expected_warmup, expected_peak):
         if kind == "F":
             done.add(rest[0])
             in_flight += 1
-        elif kind == "B":
-            if rest[0] not in done:
-                problems.append(f"backward of {rest[0]} before its forward")
+        elif kind == "B" and rest[0] not in done:
+            problems.append(f"backward of {rest[0]} before its forward")
+        if kind == "W" or kind == "B" and not rest[1]:  # a microbatch holds activations until its last pass
             in_flight -= 1
         peak = max(peak, in_flight)
     # The warm-up forwards, then the steady state's first forward, come before the first backward.
@@ -303,15 +322,69 @@ class Step:
                                 yield name, pp, m, virtual, ordering
 
 
+def ideal_timeline(logs, times):
+    """Each rank's replayed passes, each run as early as its data allows: [(rank, kind, mb, start, end)].
+
+    times: exact durations {"F", "B", "W"} (a backward that is not split takes B + W). Messages take no
+    time: the forward of mb on stage s waits only for the forward of mb on s-1, a backward for the
+    backward on s+1. One model chunk per rank.
+    """
+    passes = [[e for e in log if e[0] in ("F", "B", "W")] for log in logs]
+    pp, ends, clock, boxes = len(logs), {}, [Fraction(0)] * len(logs), []
+    progress = True
+    while progress:
+        progress = False
+        for s in range(pp):
+            while passes[s]:
+                kind, (_, mb), *split = passes[s][0]
+                needs = (s - 1, "F", mb) if kind == "F" and s > 0 else (s + 1, "B", mb) if kind == "B" and s < pp - 1 \
+                    else None
+                if needs and needs not in ends:
+                    break
+                start = max(clock[s], ends.get(needs, 0))
+                clock[s] = start + (times["B"] + times["W"] if kind == "B" and not split[0] else times[kind])
+                ends[s, kind, mb] = clock[s]
+                boxes.append((s, kind, mb, start, clock[s]))
+                passes[s].pop(0)
+                progress = True
+    assert not any(passes), "the replayed order deadlocks even with free messages"
+    return boxes
+
+
+def ideal_idle(logs, times):
+    """Per rank, the ideal timeline's length minus the rank's compute."""
+    boxes = ideal_timeline(logs, times)
+    length = max(end for *_, end in boxes)
+    return [length - sum(end - start for r, *_, start, end in boxes if r == rank) for rank in range(len(logs))]
+
+
+def check_zb1p_bubble(step):
+    """For every zb1p configuration the rules allow: each rank's ideal idle time equals (p-1)(F+B-W)
+    exactly, for equal and for unequal pass times. Control: 1F1B's order must fail the same check."""
+    problems, checked, control_caught = [], 0, True
+    for times in ({"F": Fraction(1), "B": Fraction(1), "W": Fraction(1)},
+                  {"F": Fraction(1), "B": Fraction(6, 5), "W": Fraction(3, 5)}):
+        expected = lambda pp: formulas.zb1p_idle(pp, times["F"], times["B"], times["W"])  # noqa: E731
+        for name, pp, m, _, ordering in step.configurations():
+            if name == "zb1p" and ordering == "batched":
+                idle = ideal_idle(step.replay(name, pp, m, ordering)[0], times)
+                checked += 1
+                problems += [f"zb1p pp={pp} m={m} {times}: rank {r} idles {i}, (p-1)(F+B-W) = {expected(pp)}"
+                             for r, i in enumerate(idle) if i != expected(pp)]
+        control_caught &= ideal_idle(step.replay("1f1b", 4, 8, "batched")[0], times) != [expected(4)] * 4
+    return dict(zb1p_bubble_configurations=checked, zb1p_bubble_problems=problems[:50],
+                one_f_one_b_bubble_caught=control_caught)
+
+
 def swap_first_two_backwards(stages):
     """A broken schedule for a negative control: the first two backwards of chunk 0 swap microbatches."""
     stage = stages[0]
     original, calls = stage.backward, []
 
-    def backward(mb, x, out, out_grad):
+    def backward(mb, x, out, out_grad, split=False):
         calls.append(mb)
         wrong = {0: 1, 1: 0}.get(mb, mb) if len(calls) <= 2 else mb
-        return original(wrong, x, out, out_grad)
+        return original(wrong, x, out, out_grad, split)
 
     stage.backward = backward
 
@@ -340,7 +413,23 @@ def negative_controls(step):
         controls["swapped_in_batch_caught"] = caught(2, logs, dist)
     logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
     controls["wrong_backward_caught"] = caught(4, logs, dist)
+    if "zb1p" in step.schedule.SCHEDULES:
+        controls.update(weight_order_controls(step))
     return controls
+
+
+def weight_order_controls(step):
+    """Step 08: rank 1's replayed zb1p passes with two W's swapped, with a W moved before its B, and with
+    the last W left out (the store not empty at the end): check_weight_order must catch each."""
+    passes = [e for e in step.replay("zb1p", 4, 8, "batched")[0][1] if e[0] in ("F", "B", "W")]
+    w = [i for i, e in enumerate(passes) if e[0] == "W"]
+    swapped = list(passes)
+    swapped[w[0]], swapped[w[1]] = passes[w[1]], passes[w[0]]
+    early = list(passes)
+    early.insert(0, early.pop(w[0]))
+    return dict(swapped_weights_caught=bool(check_weight_order(swapped)),
+                weight_before_its_b_caught=bool(check_weight_order(early)),
+                weight_left_in_store_caught=bool(check_weight_order(passes[:w[-1]])))
 
 
 def main(step_dir):
@@ -356,7 +445,8 @@ def main(step_dir):
                         and not step.check(name, pp, m, ordering, v)]
     print(json.dumps(dict(configurations=count, seconds=round(time.perf_counter() - start, 1),
                           problem_count=len(problems), problems=problems[:50],
-                          refused_but_safe=refused_but_safe[:50], **negative_controls(step))))
+                          refused_but_safe=refused_but_safe[:50], **negative_controls(step),
+                          **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}))))
 
 
 if __name__ == "__main__":

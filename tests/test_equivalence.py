@@ -63,6 +63,17 @@ CASES = [
     # the weights stay as they were, and the scale goes 2^32, 2^32 (hysteresis), 2^31, as the reference's.
     case("step07_mixed_precision", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2",
          "--precision", "fp16", "--initial-loss-scale", str(2**32)),
+    # B/W split (step 08): zb1p, every W queued after its B and run later in FIFO order; the other
+    # schedules now run the same Linear autograd function with nothing deferred.
+    *[case("step08_dualpipe", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), "--schedule", "zb1p")
+      for pp, m in [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]],
+    case("step08_dualpipe", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "4", "--schedule", "zb1p"),
+    *[case("step08_dualpipe", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "2", *extra)
+      for extra in (["--schedule", "zb1p"], ["--schedule", "zb1p", "--tie-embeddings"], ["--virtual-stages", "2"])],
+    *[case("step08_dualpipe", 2, "--pp", "2", "--layers", "4", "--microbatches", "4", "--schedule", "zb1p",
+           "--precision", pr) for pr in ("bf16", "fp16")],
+    case("step08_dualpipe", 4, "--pp", "4", "--layers", "4", "--microbatches", "4", "--schedule", "zb1p",
+         "--precision", "bf16"),
 ]
 
 

@@ -27,6 +27,19 @@ def test_replay_catches_broken_schedules(step, replay_report):
     assert len(controls) >= 3 and all(controls.values()), controls
 
 
+ZERO_BUBBLE = [s for s in SCHEDULED if s >= "step08"]
+
+
+@pytest.mark.parametrize("step", ZERO_BUBBLE)
+def test_zb1p_ideal_timeline_idles_p_minus_1_times_f_plus_b_minus_w(step, replay_report):
+    """The replayed zb1p order of every allowed (pp, m), each pass as early as its data allows, with exact
+    rational pass times (F = B = W, and F = 1, B = 1.2, W = 0.6): every rank idles (p-1)(F+B-W).
+    Control: 1F1B's order, whose backward is B and W at once, must fail the same check."""
+    report = replay_report(step)
+    assert report["zb1p_bubble_configurations"] >= 400 and not report["zb1p_bubble_problems"], report
+    assert report["one_f_one_b_bubble_caught"]
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_printed_formulas_match_the_papers(step, step_dirs):
     """bubble_formula and peak_stored_microbatches, which train.py prints, against tests/formulas.py."""
@@ -40,12 +53,14 @@ def test_printed_formulas_match_the_papers(step, step_dirs):
 MEMORY_CASES = [(step, "afab", 4, 1, 8, 1) for step in SCHEDULED] + [
     (step, "1f1b", pp, dp, m, 1) for step in SCHEDULED for pp, dp, m in [(4, 1, 8), (4, 1, 2), (2, 2, 4)]] + [
     (step, "interleaved", pp, dp, m, v) for step in SCHEDULED if step >= "step05"
-    for pp, dp, m, v in [(4, 1, 8, 2), (2, 2, 2, 2), (2, 1, 4, 3)]]
+    for pp, dp, m, v in [(4, 1, 8, 2), (2, 2, 2, 2), (2, 1, 4, 3)]] + [
+    (step, "zb1p", pp, dp, m, 1) for step in SCHEDULED if step >= "step08" for pp, dp, m in [(4, 1, 8), (2, 2, 4)]]
 
 
 @pytest.mark.parametrize("step, schedule, pp, dp, m, v", MEMORY_CASES)
 def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, step_dirs, tmp_path, replay_passes):
-    """And with dp > 1: each rank all-reduces its gradients once per step, after its last backward."""
+    """And with dp > 1: each rank all-reduces its gradients once per step, after its last backward (after its
+    last W, in zb1p: the weight gradients are complete only then)."""
     replay_passes(step)
     log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
     flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
@@ -64,5 +79,5 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
             for step in (1,):  # the timeline records every step but the first
                 mine = [e for e in boxes if e["args"]["rank"] == rank and e["args"]["step"] == step]
                 syncs = [e for e in mine if e["cat"] == "allreduce"]
-                last_backward = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "backward")
+                last_backward = max(e["ts"] + e["dur"] for e in mine if e["cat"] in ("backward", "B", "W"))
                 assert len(syncs) == 1 and syncs[0]["ts"] >= last_backward, (rank, step, syncs)

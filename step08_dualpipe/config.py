@@ -1,0 +1,215 @@
+"""Command-line flags and the rules they must obey.
+
+Every rule is checked before any process group, model or data is built, so a
+bad configuration fails in a second with one line that names the flag, the
+value and the rule, instead of hanging half-way through a pipeline. Under
+torchrun every rank parses the flags; only rank 0 prints.
+"""
+import argparse
+import math
+import os
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+import torch
+
+from data import DEFAULT_CORPUS_BYTES
+from distributed import world_from_env
+from mixed_precision import DTYPES as PRECISIONS
+from model import ModelConfig
+from p2p import ORDERINGS
+from schedule import SCHEDULES
+
+
+class ConfigError(ValueError):
+    """A flag value that breaks a rule of the run."""
+
+
+def build_parser(description=None):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (tp x dp))")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
+    p.add_argument("--scatter-gather", action="store_true",
+                   help="each TP rank sends 1/tp of every pipeline message; the receivers all-gather it")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="the LM head reuses the embedding matrix (summed over the first and last stage)")
+    p.add_argument("--batch-size", type=int, default=8, help="global sequences per optimizer step")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (m)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each stage's input and recompute its forward during backward")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
+    p.add_argument("--schedule", default=None,
+                   help="afab | 1f1b | interleaved | zb1p (default: interleaved if --virtual-stages > 1, else 1f1b)")
+    p.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
+    p.add_argument("--deallocate", action="store_true",
+                   help="free each output's storage once it is sent, keeping its autograd graph")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
+                   "activations and pipeline messages (fp32 master weights and gradient sums either way)")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0**16,
+                   help="fp16: the dynamic loss scaler's first scale (Megatron-LM starts at 2**32)")
+    p.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
+    p.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: clean steps after which the scale doubles")
+    p.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16: overflows since the last growth before the scale halves")
+    p.add_argument("--loss-scale", type=float, default=None, help="a constant loss scale instead of the dynamic one")
+    p.add_argument("--clip-grad", type=float, default=0.0,
+                   help="clip the gradients to this global norm (0: no clipping)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers of the whole model")
+    p.add_argument("--hidden", type=int, default=128, help="width of the hidden states")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--data", default=None, help="a text file (default: the Python stdlib source)")
+    p.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a rank waits for a peer before failing; must exceed one microbatch of one stage")
+    return p
+
+
+def parse_flags(argv, description):
+    """Flags -> checked args. --help, a usage error or a broken rule prints on rank 0 only; every rank exits."""
+    rank, world, _ = world_from_env()
+    parser = build_parser(description)
+    with open(os.devnull, "w") as sink, redirect_stdout(sink if rank else sys.stdout), \
+            redirect_stderr(sink if rank else sys.stderr):
+        args = parser.parse_args(argv)  # exits on --help and on a malformed flag
+    try:
+        return check_config(args, world, torch.cuda.is_available())
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive(args, *flags):
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if not value > 0:  # also refuses nan
+            raise ConfigError(f"{flag} {value} must be positive")
+
+
+def check_device(device: str, cuda_available: bool):
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device} is unknown: use auto, cpu or cuda")
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+
+
+def check_model(args):
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if (args.hidden // args.heads) % 2:
+        raise ConfigError(f"--hidden {args.hidden} / --heads {args.heads} must be even for rotary embedding")
+    chunks = args.pp * args.virtual_stages
+    if chunks > args.layers:
+        raise ConfigError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {chunks} model chunks "
+                          f"cannot share --layers {args.layers}: each chunk needs a layer")
+
+
+def check_tensor_parallel(args):
+    """Every split of a layer must give each TP rank an equal part."""
+    cfg = ModelConfig(hidden=args.hidden)
+    for what, size in ((f"--heads {args.heads}", args.heads), (f"the MLP width {cfg.mlp_hidden}", cfg.mlp_hidden),
+                       (f"the vocabulary size {cfg.vocab_size}", cfg.vocab_size)):
+        if size % args.tp:
+            raise ConfigError(f"--tp {args.tp} must divide {what}: each TP rank holds an equal share of it")
+
+
+def check_zb1p(args):
+    """ZB-H1's hand-made order assumes a steady state on every stage, and its two exchanges per
+    microbatch (B's gradient out before W, the next input in after it) need batched p2p."""
+    if args.microbatches < args.pp:
+        raise ConfigError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} for zb1p: "
+                          "with fewer, stage 0 has no steady state and the order idles longer than "
+                          "its (p-1)(F+B-W)")
+    if args.p2p != "batched" and args.pp > 1:
+        raise ConfigError(f"--p2p {args.p2p} does not fit --schedule zb1p: ordered sends deadlock when a "
+                          "stage sends a gradient in one exchange and receives an activation in the next; "
+                          "use --p2p batched")
+
+
+def check_schedule(args):
+    """The schedule and the pipeline shape must fit together."""
+    if args.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {args.schedule} is unknown: use {' or '.join(SCHEDULES)}")
+    if args.p2p not in ORDERINGS:
+        raise ConfigError(f"--p2p {args.p2p} is unknown: use {' or '.join(ORDERINGS)}")
+    interleaved = args.schedule == "interleaved"
+    if interleaved != (args.virtual_stages > 1):
+        raise ConfigError(f"--virtual-stages {args.virtual_stages} does not fit --schedule {args.schedule}: "
+                          "interleaved needs at least 2 virtual stages, afab, 1f1b and zb1p exactly 1")
+    if args.schedule == "zb1p":
+        check_zb1p(args)
+    if not interleaved:
+        return
+    if args.pp < 2:
+        raise ConfigError(f"--pp {args.pp} is too few for the interleaved schedule: it needs at least 2 stages")
+    if args.microbatches % args.pp:
+        raise ConfigError(f"--microbatches {args.microbatches} must be a multiple of --pp {args.pp} "
+                          "for the interleaved schedule")
+
+
+def check_precision(args):
+    """The number format and its loss scaler."""
+    if args.precision not in PRECISIONS:
+        raise ConfigError(f"--precision {args.precision} is unknown: use {', '.join(PRECISIONS)}")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ConfigError(f"--loss-scale {args.loss_scale} must be positive")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale < math.inf:
+        raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
+                          f"{args.initial_loss_scale} must satisfy 0 < min <= initial, finite")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise ConfigError(f"--loss-scale-window {args.loss_scale_window} and --hysteresis {args.hysteresis} "
+                          "must be at least 1")
+    if not 0 <= args.clip_grad < math.inf:
+        raise ConfigError(f"--clip-grad {args.clip_grad} must be 0 (off) or a positive global norm")
+
+
+def check_files(args):
+    """The data must exist and outs must have somewhere to go, before the run rather than after it."""
+    if args.data and not os.path.isfile(args.data):
+        raise ConfigError(f"--data {args.data} is not a file")
+    size, source = ((os.path.getsize(args.data), f"--data {args.data}") if args.data
+                    else (DEFAULT_CORPUS_BYTES, "the default corpus"))
+    if size < args.seq_len + 2:
+        raise ConfigError(f"{source} has {size} bytes, fewer than --seq-len {args.seq_len} + 2")
+    for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
+
+
+def check_numbers(args):
+    positive(args, "--pp", "--dp", "--tp", "--batch-size", "--microbatches", "--virtual-stages", "--seq-len", "--layers",
+             "--hidden", "--heads", "--steps", "--lr", "--timeout")
+    if not math.isfinite(args.lr) or not math.isfinite(args.timeout):
+        raise ConfigError(f"--lr {args.lr} and --timeout {args.timeout} must be finite")
+
+
+def check_config(args, world_size: int, cuda_available: bool):
+    """Fill in defaults that depend on the world size, then enforce every rule."""
+    if args.pp is None:
+        args.pp = max(world_size // max(args.dp * args.tp, 1), 1)
+    if args.schedule is None:
+        args.schedule = "interleaved" if args.virtual_stages > 1 else "1f1b"
+    check_numbers(args)
+    if args.tp * args.pp * args.dp != world_size:
+        raise ConfigError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {args.tp * args.pp * args.dp} "
+                          f"must equal the world size {world_size} (torchrun --nproc_per_node)")
+    if args.batch_size % (args.dp * args.microbatches):
+        raise ConfigError(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp} x --microbatches "
+                          f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
+                          "replica holds the same number of sequences")
+    check_schedule(args)
+    check_device(args.device, cuda_available)
+    check_model(args)
+    check_tensor_parallel(args)
+    check_precision(args)
+    check_files(args)
+    return args

@@ -1,0 +1,79 @@
+"""Measure the activation memory a pipeline schedule keeps alive, on any device.
+
+Autograd keeps, for every microbatch whose backward has not run yet, the
+tensors its forward saved for the backward. Those saved activations are what
+a schedule's memory formula counts. We see them with
+`torch.autograd.graph.saved_tensors_hooks`: the pack hook is called for every
+tensor autograd saves. Parameters and buffers are saved too (a matmul keeps its
+weight) but they exist anyway, so tensors sharing their storage are skipped.
+This works on CPU, where there is no allocator to ask.
+
+Bytes are counted per storage, once, however many saved tensors or microbatches
+share it: the microbatches of one batch's token ids are views of one storage.
+A meter made with enabled=False installs no hooks and counts nothing.
+"""
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class ActivationMeter:
+    """Live and peak activation bytes, and the number of microbatches holding activations."""
+
+    def __init__(self, model: torch.nn.Module = None, enabled: bool = True):
+        self.enabled = enabled
+        tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+        self.weights = {storage_key(t) for t in tensors}
+        self.live = {}  # microbatch -> {storage: bytes} it keeps alive
+        self.holders = Counter()  # storage -> how many live microbatches keep it
+        self.live_bytes = 0
+        self.peak_bytes = self.peak_stored_microbatches = 0
+
+    def keep(self, microbatch, t: torch.Tensor):
+        """Count a tensor that the schedule itself keeps for the backward (e.g. a stage input)."""
+        key = storage_key(t)
+        saved = self.live.setdefault(microbatch, {}) if self.enabled else {}
+        if not self.enabled or key in self.weights or key in saved:
+            return
+        saved[key] = t.untyped_storage().nbytes()
+        self.holders[key] += 1
+        if self.holders[key] == 1:
+            self.live_bytes += saved[key]
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.peak_stored_microbatches = max(self.peak_stored_microbatches, len(self.live))
+
+    def saving(self, microbatch):
+        """Count everything autograd saves while the body runs as belonging to `microbatch`."""
+        return self._hooks(microbatch) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _hooks(self, microbatch):
+        def pack(t):
+            self.keep(microbatch, t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def _drop(self, key, size):
+        self.holders[key] -= 1
+        if self.holders[key] == 0:
+            del self.holders[key]
+            self.live_bytes -= size
+
+    def forget(self, microbatch, t: torch.Tensor):
+        """The schedule freed a tensor it had kept (an output whose values are no longer needed)."""
+        key = storage_key(t)
+        saved = self.live.get(microbatch, {})
+        if key in saved:
+            self._drop(key, saved.pop(key))
+
+    def release(self, microbatch):
+        """The backward of `microbatch` has run: autograd has freed what it saved."""
+        for key, size in self.live.pop(microbatch, {}).items():
+            self._drop(key, size)

@@ -1,0 +1,222 @@
+"""Point-to-point communication between neighbouring pipeline stages.
+
+The four verbs of every pipeline schedule (names as in Megatron-LM):
+
+    recv_forward   receive this microbatch's input activation from the previous stage
+    send_forward   send this stage's output activation to the next stage
+    recv_backward  receive d(loss)/d(output) from the next stage
+    send_backward  send d(loss)/d(input) to the previous stage
+
+All four are one call of `communicate`, Megatron's `_communicate`: optionally
+send an activation to the next rank and a gradient to the previous one,
+optionally receive an activation from the previous rank and a gradient from the
+next one. Later steps combine several of these in one call; the worker stays
+the same. At the ends of the pipeline the verbs do nothing (a receive returns
+None): the first stage reads tokens, the last stage starts from its loss.
+
+Step 04 adds the two combined verbs of the 1F1B steady state, each one exchange:
+
+    send_forward_recv_backward   send the newest output, receive the gradient of the oldest microbatch
+    send_backward_recv_forward   send an input gradient, receive the next microbatch's input
+
+Why combined verbs, and why an ordering. In the steady state stage s sends an
+activation to s+1 while s+1 sends a gradient to s. If each side waited for its
+send to complete before it received, both would wait for ever (NCCL sends of
+large tensors block until matched; we must assume every send can). Two cures:
+
+    batched  post the sends and receives together with batch_isend_irecv, one
+             fused operation: nothing waits for anything else to be posted.
+    ordered  Megatron's even/odd rule (its _p2p_ops): post non-blocking isend and
+             irecv one by one, even stages send first and odd stages receive
+             first, then wait for all. On one NCCL stream the operations of a
+             rank complete in the order they were posted, so the order matters;
+             neighbours have opposite parity, so each rank's first operation
+             meets its neighbour's first.
+
+Step 05 adds the verb of the interleaved schedule, Megatron's
+send_forward_backward_recv_forward_backward: all four transfers in one
+exchange. With virtual stages activations go round the ring of ranks v times,
+so here the last rank's next rank is rank 0: the neighbours were a ring from
+step 03 on. With an odd number of stages the ring's two ends share a parity,
+so even/odd no longer pairs every first operation; tests/replay.py shows that
+every interleaved configuration up to pp 8, m 32, v 4 still completes.
+
+A receive needs a buffer of known shape and dtype: both neighbours know the
+microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
+sent. No message carries a label either: two ranks agree on what the k-th
+message between them is because both run the same schedule. Received tensors
+come back through `recycle` once their microbatch's backward is done, and the
+next receives reuse them: a fresh buffer for every message costs page faults.
+
+Step 06 puts tensor parallelism inside each stage. After a stage's last
+row-parallel all-reduce every TP rank holds the same full activation, and each
+sends it to its own counterpart (same tp_rank) in the next stage. With
+scatter_gather (Megatron's scatter-gather optimisation) each TP rank sends only
+its 1/tp slice of the flattened tensor, and the receiving stage's TP ranks
+all-gather the slices: the bytes crossing the pipeline, which may cross nodes,
+fall tp-fold, and the all-gather stays inside the node. A tensor whose size
+does not divide by tp is sent whole.
+"""
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from distributed import PeerTimeout
+
+ORDERINGS = ("batched", "ordered")
+
+
+class PipelineComm:
+    def __init__(self, pgm, shape, dtype, device, timeline, ordering="batched", scatter_gather=False):
+        self.stage, self.num_stages = pgm.stage, pgm.pp
+        self.prev_rank, self.next_rank = pgm.prev_rank, pgm.next_rank
+        self.shape, self.dtype, self.device, self.timeline = shape, dtype, device, timeline
+        self.ordering = ordering
+        self.received = Counter()  # activations and gradients received so far this step, for errors
+        self.free = []  # receive buffers nobody needs any more
+        self.sending = []  # (work, exchange) of sends still in flight
+        self.tp, self.tp_rank, self.tp_group = pgm.tp, pgm.tp_rank, pgm.tp_group
+        self.split = scatter_gather and pgm.tp > 1 and math.prod(shape) % pgm.tp == 0
+        self.free_slices = []  # scatter-gather: buffers for the 1/tp slices on the wire
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def begin_step(self):
+        """Count messages from zero again: the k-th activation of a step is the k-th microbatch's."""
+        self.finish_sends()
+        self.received.clear()
+
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """Send and receive with both neighbours at once; return (from_prev, from_next).
+
+        send_next: an output activation for the next rank; send_prev: an input gradient for the
+        previous rank. recv_prev / recv_next: receive an activation / a gradient (else None).
+        """
+        send_next, send_prev = self._outgoing(send_next), self._outgoing(send_prev)
+        from_prev = self._wire_buffer() if recv_prev else None
+        from_next = self._wire_buffer() if recv_next else None
+        # Megatron's order: send next, receive previous, send previous, receive next.
+        ops = [dist.P2POp(dist.isend, send_next.detach(), self.next_rank) if send_next is not None else None,
+               dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
+               dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
+               dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
+        if any(op is not None for op in ops):
+            kind, what = self._describe(ops)
+            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
+            with self.timeline.span(kind, what=what, bytes=sent):
+                self._post(ops)
+        return self._gathered(from_prev), self._gathered(from_next)
+
+    def _buffer(self):
+        return self.free.pop() if self.free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def _wire_buffer(self):
+        """What a receive lands in: the whole tensor, or with scatter-gather one TP rank's slice of it."""
+        if not self.split:
+            return self._buffer()
+        size = math.prod(self.shape) // self.tp
+        return self.free_slices.pop() if self.free_slices else torch.empty(size, dtype=self.dtype, device=self.device)
+
+    def _outgoing(self, tensor):
+        """What goes on the wire: the tensor, or with scatter-gather this TP rank's slice of it
+        (every TP rank of the stage holds the same tensor, so the slices add up to it)."""
+        if tensor is None or not self.split:
+            return tensor
+        return tensor.detach().reshape(-1).chunk(self.tp)[self.tp_rank]
+
+    def _gathered(self, received):
+        """Scatter-gather: all-gather the TP ranks' received slices into the whole tensor."""
+        if received is None or not self.split:
+            return received
+        whole = self._buffer()
+        piece_bytes = received.numel() * received.element_size()
+        with self.timeline.span("tp allgather", what="pipeline slices", bytes=piece_bytes):
+            dist.all_gather(list(whole.view(-1).chunk(self.tp)), received, group=self.tp_group)
+        self.free_slices.append(received)
+        return whole
+
+    def recycle(self, *received):
+        """Take back received tensors whose microbatch is done with them, to receive into again."""
+        self.free += [t.detach() for t in received if t is not None]
+
+    def _post(self, ops):
+        """Start the operations (together, or one by one in parity order), then wait for what they receive."""
+        if self.ordering == "batched":
+            posted = [op for op in ops if op is not None]
+            works = dist.batch_isend_irecv(posted)
+        else:  # odd stages swap each pair: receive previous, send next, receive next, send previous
+            order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
+            posted = [op for op in order if op is not None]
+            works = [op.op(op.tensor, op.peer) for op in posted]  # dist.isend / dist.irecv
+        self._wait(works, posted, ops)
+
+    def _wait(self, works, posted, ops):
+        """Wait for the receives now. A send only has to be finished before the next exchange, so it
+        overlaps this rank's next compute. (gloo gives a work per operation; NCCL one for the whole
+        batch, which then is waited for at once: on a GPU that wait does not block the host.)"""
+        self.finish_sends()
+        if len(works) == len(posted):
+            self.sending = [(work, ops) for work, op in zip(works, posted) if op.op == dist.isend]
+            works = [work for work, op in zip(works, posted) if op.op != dist.isend]
+        self._complete(works, ops)
+        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
+
+    def finish_sends(self):
+        """Wait until the peers have received what this rank sent."""
+        sending, self.sending = self.sending, []
+        for work, ops in sending:
+            self._complete([work], ops)
+
+    def _complete(self, works, ops):
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:  # the process group's timeout expired
+            raise PeerTimeout(self._timeout_message(ops)) from err
+
+    def _describe(self, ops):
+        """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
+        names = ["send activation", "recv activation", "send gradient", "recv gradient"]
+        present = [name for name, op in zip(names, ops) if op is not None]
+        directions = {name.split()[0] for name in present}
+        return (directions.pop() if len(directions) == 1 else "sendrecv"), " + ".join(present)
+
+    def _timeout_message(self, ops):
+        """Who waited for what: the k-th activation or gradient of this step, from which rank."""
+        waits = [f"{what} {self.received[what]} of this step from rank {peer}" for what, peer, op in
+                 (("activation", self.prev_rank, ops[1]), ("gradient", self.next_rank, ops[3])) if op is not None]
+        waits += [f"rank {peer} to take {what}" for what, peer, op in
+                  (("an activation", self.next_rank, ops[0]), ("a gradient", self.prev_rank, ops[2])) if op is not None]
+        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"
+
+    def recv_forward(self):
+        return None if self.is_first else self.communicate(recv_prev=True)[0]
+
+    def send_forward(self, output):
+        if not self.is_last:
+            self.communicate(send_next=output)
+
+    def recv_backward(self):
+        return None if self.is_last else self.communicate(recv_next=True)[1]
+
+    def send_backward(self, input_grad):
+        if not self.is_first:
+            self.communicate(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output):
+        return None if self.is_last else self.communicate(send_next=output, recv_next=True)[1]
+
+    def send_backward_recv_forward(self, input_grad):
+        return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
+
+    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev, recv_next):
+        """Any of the four transfers with both ring neighbours in one exchange; returns (input, output_grad)."""
+        return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)

@@ -1,0 +1,131 @@
+"""Notebook helpers: run this folder's train.py, read back what it recorded, draw it.
+
+train.py writes two files we use here: a JSON log (one object per optimizer
+step) and a Chrome trace (one box per forward, backward, recompute, send and
+receive of every rank). Reading the trace back gives timeline.py's event
+records, each step shifted to start at zero, so the bubble is measured by
+timeline.py's own functions rather than by a second implementation that could
+disagree.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch
+
+from timeline import busy_fractions, measured_steps
+
+COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
+          "B": "tab:orange", "W": "tab:olive",  # step 08: a backward split into input and weight gradients
+          "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red",
+          "tp allreduce": "black", "tp allgather": "tab:gray"}  # TP boxes sit inside forwards and backwards
+COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather")
+COMPUTE_HEIGHT, COMM_HEIGHT = 0.7, 0.25  # communication boxes are drawn thin: mostly waiting
+CHUNK_SHADE = 0.6  # how much lighter the last model chunk of a rank is drawn than the first
+
+
+def run_train(nproc: int, *flags, workdir: str):
+    """Run `train.py` of the current folder on `nproc` ranks under torchrun.
+
+    Each run gets its own subfolder of `workdir` for its trace and log. One
+    OpenMP thread per rank, so ranks compete for cores rather than threads.
+    Returns stdout (with the reports; file names relative to the run's folder),
+    the log records and the trace events.
+    """
+    folder = tempfile.mkdtemp(dir=workdir)
+    trace, log = os.path.join(folder, "trace.json"), os.path.join(folder, "log.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "train.py", *map(str, flags), "--trace", trace, "--log-json", log]
+    try:
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.CalledProcessError as err:
+        raise RuntimeError(f"train.py {' '.join(map(str, flags))} failed:\n{err.stderr[-3000:]}") from err
+    with open(log) as f:
+        records = [json.loads(line) for line in f]
+    return SimpleNamespace(stdout=done.stdout.replace(folder + os.sep, ""), records=records,
+                           events=load_trace(trace))
+
+
+def load_trace(path: str):
+    """The trace's boxes as timeline.py's event dicts: times in seconds from their step's start.
+
+    write_chrome_trace lays steps end to end, each shifted by the end of the
+    step before, so a step's origin is the latest end of any box of the step before.
+    """
+    with open(path) as f:
+        boxes = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    events, origin = [], 0.0
+    for step in sorted({b["args"]["step"] for b in boxes}):
+        step_boxes = [b for b in boxes if b["args"]["step"] == step]
+        for b in step_boxes:
+            start = (b["ts"] - origin) / 1e6
+            events.append(dict(kind=b["cat"], microbatch=b["args"]["microbatch"], step=step, rank=b["args"]["rank"],
+                               start=start, end=start + b["dur"] / 1e6, chunk=b["args"].get("chunk"),
+                               what=b["args"].get("what"), bytes=b["args"].get("bytes")))
+        origin = max(b["ts"] + b["dur"] for b in step_boxes)
+    return events
+
+
+def measured_bubble(events, world_size: int):
+    """Idle fraction of each rank, averaged over the recorded steps (see timeline.py)."""
+    return [1 - busy for busy in busy_fractions(events, world_size, measured_steps(events))]
+
+
+def chunk_color(kind: str, chunk, chunks: int):
+    """Later model chunks of a rank are drawn lighter."""
+    shade = CHUNK_SHADE * (chunk or 0) / max(chunks - 1, 1)
+    return [c + (1 - c) * shade for c in to_rgb(COLORS[kind])], shade
+
+
+def draw_timeline(events, step: int, ax=None, title=None):
+    """One row per rank (rank 0 on top) of one step: a coloured box per event.
+
+    Forward, backward and recompute boxes carry their microbatch number where it fits; when a
+    rank holds several model chunks (virtual stages), they read chunk:microbatch and later chunks
+    are drawn lighter.
+    """
+    ax = ax or plt.subplots(figsize=(11, 0.45 * (1 + max(e["rank"] for e in events)) + 1))[1]
+    step_events = [e for e in events if e["step"] == step]
+    chunks = 1 + max((e["chunk"] or 0 for e in step_events), default=0)  # virtual stages per rank
+    span_ms = 1e3 * max(e["end"] for e in step_events)
+    char_ms = span_ms / 130  # about one character of a 7-point label on an 11-inch-wide figure
+    for e in step_events:
+        start_ms, width_ms = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
+        height = COMM_HEIGHT if e["kind"] in COMMUNICATION else COMPUTE_HEIGHT
+        color, shade = chunk_color(e["kind"], e["chunk"], chunks)
+        ax.broken_barh([(start_ms, width_ms)], (e["rank"] - height / 2, height),
+                       facecolors=[color], edgecolor="white", linewidth=0.5,
+                       zorder=3 if height == COMM_HEIGHT else 2)  # TP collectives lie inside compute boxes
+        label = f"{e['chunk']}:{e['microbatch']}" if chunks > 1 else str(e["microbatch"])
+        if height == COMPUTE_HEIGHT and e["microbatch"] is not None and width_ms > char_ms * (len(label) + 1):
+            ax.text(start_ms + width_ms / 2, e["rank"], label, ha="center", va="center",
+                    fontsize=7, color="white" if shade < 0.3 else "black", clip_on=True, zorder=4)
+    ranks = sorted({e["rank"] for e in step_events})
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks) + 0.6, -0.6)
+    ax.set_xlabel(f"time since the start of step {step} (ms)")
+    kinds = [k for k in COLORS if any(e["kind"] == k for e in step_events)]
+    handles = [Patch(color=COLORS[k], label=k) for k in kinds]
+    if chunks > 1:
+        handles += [Patch(color=chunk_color("forward", c, chunks)[0], label=f"chunk {c} (label {c}:mb)")
+                    for c in range(chunks)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title(title or f"step {step}")
+    return ax
+
+
+def import_replay():
+    """tests/replay.py of the course this folder sits in (the notebooks replay schedules with it)."""
+    for folder in [Path.cwd(), *Path.cwd().parents]:
+        if (folder / "tests" / "replay.py").is_file():
+            sys.path.insert(0, str(folder / "tests"))
+            return importlib.import_module("replay")
+    raise FileNotFoundError("no tests/replay.py above this folder: keep your copy of the step inside the course")

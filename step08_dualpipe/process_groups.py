@@ -1,0 +1,84 @@
+"""Where a rank sits in the (pipeline x data-parallel x tensor-parallel) grid, and the groups it talks in.
+
+Layout, as in Megatron-LM: rank = stage * (dp * tp) + dp_rank * tp + tp_rank, the
+tensor-parallel index fastest. With tp=2, pp=2, dp=2:
+
+    stage 0: ranks 0 1 | 2 3      <- TP groups (0 1) and (2 3): one layer split over two ranks
+    stage 1: ranks 4 5 | 6 7         DP groups (0 2), (1 3), ...: same shard, different data
+             replica 0 | replica 1   PP groups (0 4), (1 5), ...: a pipeline of one shard
+
+TP all-reduces a whole microbatch activation twice per layer in every forward
+and twice in every backward, and every layer waits for it: by far the most
+traffic, on the critical path. DP all-reduces the gradients once per step, PP
+sends one activation and one gradient per stage boundary per microbatch (tp-fold
+less with scatter-gather); both can overlap compute. Adjacent ranks sit in one
+node on the fastest links, so TP gets them, and the pipeline, whose messages go
+between two ranks only, is the one that crosses nodes (notebook, section 6).
+
+A rank sends activations to the same (dp_rank, tp_rank) of the next stage, and
+averages its gradients with the same (stage, tp_rank) of the other replicas.
+With tp=1 this is step 05's layout.
+"""
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def grid_rank(stage: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    return (stage * dp + dp_rank) * tp + tp_rank
+
+
+def grid_coordinates(rank: int, dp: int, tp: int):
+    """(stage, dp_rank, tp_rank) of a rank."""
+    stage, within = divmod(rank, dp * tp)
+    return (stage, *divmod(within, tp))
+
+
+def grid_groups(tp: int, pp: int, dp: int) -> dict:
+    """Every group of the grid, as lists of ranks, in the order all ranks create them.
+
+    tp: the ranks of one (stage, replica); dp: of one (stage, tp_rank); pp: of one
+    (replica, tp_rank); model_parallel: tp x pp of one replica (all its model, once);
+    embedding: first and last stage of each pipeline, which hold the tied embedding.
+    """
+    ranks = lambda s, d, t: grid_rank(s, d, t, dp, tp)  # noqa: E731
+    return dict(
+        tp=[[ranks(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
+        dp=[[ranks(s, d, t) for d in range(dp)] for s in range(pp) for t in range(tp)],
+        pp=[[ranks(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
+        model_parallel=[[ranks(s, d, t) for s in range(pp) for t in range(tp)] for d in range(dp)],
+        embedding=[[ranks(0, d, t), ranks(pp - 1, d, t)] for d in range(dp) for t in range(tp)] if pp > 1 else [],
+    )
+
+
+class ProcessGroupManager:
+    def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1):
+        rank = dist.get_rank()
+        self.pp, self.dp, self.tp = pp, dp, tp
+        self.stage, self.dp_rank, self.tp_rank = grid_coordinates(rank, dp, tp)
+        timeout = timedelta(seconds=timeout_s)
+        self.embedding_group = None  # pp = 1: the one stage holds the tied embedding once
+        # new_group is collective: every rank creates every group, in the same order.
+        for kind, groups in grid_groups(tp, pp, dp).items():
+            for members in groups:
+                group = dist.new_group(members, timeout=timeout)
+                if rank in members:
+                    setattr(self, f"{kind}_group", group)
+        # Neighbours in this rank's pipeline, as a ring: the last stage's next is the first stage.
+        # Schedules never send past the ends until step 05, where activations go round the ring.
+        self.next_rank = grid_rank((self.stage + 1) % pp, self.dp_rank, self.tp_rank, dp, tp)
+        self.prev_rank = grid_rank((self.stage - 1) % pp, self.dp_rank, self.tp_rank, dp, tp)
+        self.last_stage_rank = grid_rank(pp - 1, self.dp_rank, self.tp_rank, dp, tp)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+
+def describe_rank(rank: int, dp: int, tp: int = 1) -> str:
+    stage, dp_rank, tp_rank = grid_coordinates(rank, dp, tp)
+    return f"stage {stage}, dp {dp_rank}" + (f", tp {tp_rank}" if tp > 1 else "")

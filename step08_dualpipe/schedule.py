@@ -1,0 +1,258 @@
+"""Pipeline schedules: AFAB, 1F1B, and interleaved 1F1B with virtual stages.
+
+AFAB, GPipe's schedule: every microbatch goes forward through this stage, then
+every microbatch goes backward, in the same order on every stage so each
+receive meets its send. The stage keeps the inputs and outputs of all m
+microbatches until their backward: activation memory grows with m.
+
+1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m
+backwards, so it has the same bubble, but starts each backward as early as
+possible. Stage s (of p) runs
+    warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
+    steady:    one forward then one backward, until every forward is done,
+    cool-down: the remaining backwards.
+At most min(p-s, m) microbatches are in flight on stage s at any time, so
+activation memory is bounded by the pipeline depth instead of m.
+
+ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits
+each backward into B, the input gradient the previous stage waits for, and W,
+the weight gradients nobody waits for (weight_grad_store.py). Stage s runs
+1F1B's warm-up and then, for each microbatch i, a forward while any remain,
+B of i, and W of i-s once i >= s; the last s W's close the step. Each stage
+postpones s W's, which fill the gaps where 1F1B waits for a gradient: the
+bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute time,
+while every stage holds at most p microbatches, 1F1B's first-stage peak.
+
+The Stash below is what every later schedule shares: it runs one microbatch
+forward or backward on the right stage and keeps what the backward needs.
+"""
+import torch
+
+
+def bubble_formula(args, times=None):
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B).
+
+    With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
+    ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
+    zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
+    forward, B and W (measured in the same run; equal if left out).
+    """
+    if args.schedule == "zb1p":
+        f, b, w = times or (1, 1, 1)
+        idle = (args.pp - 1) * (f + b - w)
+        text = f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), F:B:W = 1:{b / f:.2f}:{w / f:.2f}"
+        return text, idle / (args.microbatches * (f + b + w) + idle)
+    if args.schedule == "interleaved":
+        v = args.virtual_stages
+        return "(p-1)/(v*m+p-1)", (args.pp - 1) / (v * args.microbatches + args.pp - 1)
+    return "(p-1)/(m+p-1)", (args.pp - 1) / (args.microbatches + args.pp - 1)
+
+
+def peak_stored_microbatches(args, stage: int):
+    """(text, value): the most microbatches whose activations `stage` holds at once."""
+    if args.schedule == "afab":
+        return "m", args.microbatches
+    if args.schedule == "1f1b":
+        return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
+    if args.schedule == "zb1p":  # 1F1B's p-stage, plus the stage's postponed W's
+        return "min(p, m)", min(args.pp, args.microbatches)
+    warmup = interleaved_warmup(args.pp, stage, args.microbatches, args.virtual_stages)
+    return ("min(2(p-stage-1) + (v-1)p + 1, v*m) (chunk, microbatch) pairs",
+            min(warmup + 1, args.virtual_stages * args.microbatches))
+
+
+def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:
+    """Forwards stage `stage` runs before its first backward in 1F1B (and ZB-H1)."""
+    return min(pp - stage - 1, microbatches)
+
+
+def interleaved_warmup(pp: int, stage: int, microbatches: int, virtual: int) -> int:
+    """Virtual-microbatch forwards before the first backward: enough to keep every chunk busy."""
+    return min((pp - stage - 1) * 2 + (virtual - 1) * pp, microbatches * virtual)
+
+
+def virtual_microbatch(k: int, pp: int, virtual: int, forward: bool):
+    """(model chunk of this rank, microbatch) of the k-th virtual microbatch, in forward or backward order."""
+    chunk = (k // pp) % virtual
+    return (chunk if forward else virtual - 1 - chunk), (k // (pp * virtual)) * pp + k % pp
+
+
+class Stash:
+    """What one rank keeps between a microbatch's forward and its backward, and the summed loss.
+
+    stages: this rank's model chunks (one until step 05). comm: the PipelineComm whose receive buffers the
+    stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
+    """
+
+    def __init__(self, stages, comm, microbatches):
+        self.stages, self.comm, self.microbatches = stages, comm, microbatches
+        self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
+        self.loss_sum = None  # last stage only
+
+    def forward(self, mb, x, chunk=0):
+        """x is the received activation; the model's first stage reads tokens instead (x is None)."""
+        stage = self.stages[chunk]
+        tokens, target = self.microbatches[mb]
+        x = tokens if stage.is_first else x
+        out = stage.forward(mb, x, target)
+        if stage.is_last:
+            self.loss_sum = out.detach() if self.loss_sum is None else self.loss_sum + out.detach()
+        # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
+        self.kept[chunk, mb] = (x, None if stage.recompute else out)
+        return out
+
+    def backward(self, mb, out_grad, chunk=0, split=False):
+        """out_grad is the received gradient; the model's last stage starts from its loss (out_grad is None).
+        split: B only; backward_weights runs the W later."""
+        stage = self.stages[chunk]
+        x, out = self.kept.pop((chunk, mb))
+        received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
+        if stage.recompute:
+            x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
+        if stage.is_last:  # d(S x batch mean loss) / d(microbatch mean loss), S the loss scale (step 07)
+            out_grad = torch.full_like(out, stage.loss_scale / len(self.microbatches))
+        input_grad = stage.backward(mb, x, out, out_grad, split)
+        self.comm.recycle(*received)
+        return input_grad
+
+    def backward_weights(self, mb, chunk=0):
+        self.stages[chunk].backward_weights(mb)
+
+    def deallocate(self, mb, chunk=0):
+        """mb's output has been sent: its values may go (see PipelineStage.deallocate_output)."""
+        stage = self.stages[chunk]
+        if not stage.is_last:  # the last stage sends nothing: its output is the loss
+            stage.deallocate_output(mb, self.kept[chunk, mb][1])
+
+    @property
+    def loss(self):
+        """The batch's mean loss on the rank that holds the model's last stage, else None."""
+        return None if self.loss_sum is None else self.loss_sum / len(self.microbatches)
+
+
+def afab_forward_backward(stages, comm, microbatches):
+    """Every forward, then every backward, in microbatch order on every stage; returns the mean loss."""
+    stash = Stash(stages, comm, microbatches)
+    for mb in range(len(microbatches)):
+        out = stash.forward(mb, comm.recv_forward())  # recv_forward waits for stage-1's forward of mb
+        comm.send_forward(out)
+        stash.deallocate(mb)
+    for mb in range(len(microbatches)):
+        comm.send_backward(stash.backward(mb, comm.recv_backward()))  # waits for stage+1's backward of mb
+    return stash.loss
+
+
+
+def one_f_one_b_forward_backward(stages, comm, microbatches):
+    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
+    stash = Stash(stages, comm, microbatches)
+    m = len(microbatches)
+    warmup = warmup_microbatches(comm.num_stages, comm.stage, m)
+    steady = m - warmup
+
+    for mb in range(warmup):
+        comm.send_forward(stash.forward(mb, comm.recv_forward()))
+        stash.deallocate(mb)
+
+    x = comm.recv_forward() if steady else None
+    for i in range(steady):
+        fwd_mb, bwd_mb = warmup + i, i  # forward the newest microbatch, backward the oldest
+        out = stash.forward(fwd_mb, x)
+        # Hand the output on and wait for the gradient of the oldest microbatch in one exchange:
+        # the next stage is sending that gradient to us right now.
+        out_grad = comm.send_forward_recv_backward(out)
+        stash.deallocate(fwd_mb)
+        input_grad = stash.backward(bwd_mb, out_grad)
+        if i == steady - 1:
+            comm.send_backward(input_grad)
+        else:  # send the gradient back while the previous stage sends our next input
+            x = comm.send_backward_recv_forward(input_grad)
+
+    for mb in range(steady, m):
+        comm.send_backward(stash.backward(mb, comm.recv_backward()))
+    return stash.loss
+
+
+def interleaved_forward_backward(stages, comm, microbatches):
+    """1F1B over virtual microbatches. Every exchange with the ring neighbours is one call, so a rank
+    sends its newest output and oldest input gradient while receiving what comes next."""
+    stash = Stash(stages, comm, microbatches)
+    pp, virtual = comm.num_stages, len(stages)
+    total = len(microbatches) * virtual
+
+    def forward(k, x):
+        """Virtual forward k; returns the output to send, None where the model ends (its loss stays here)."""
+        chunk, mb = virtual_microbatch(k, pp, virtual, forward=True)
+        out = stash.forward(mb, x, chunk)
+        return None if stages[chunk].is_last else out
+
+    def backward(k, out_grad):
+        """Virtual backward k; returns the input gradient to send, None where the model begins."""
+        chunk, mb = virtual_microbatch(k, pp, virtual, forward=False)
+        input_grad = stash.backward(mb, out_grad, chunk)
+        return None if stages[chunk].is_first else input_grad
+
+    def receives_input(k):
+        """Forward k exists and takes an activation from the previous rank (the model's first chunk reads tokens)."""
+        return k < total and not stages[virtual_microbatch(k, pp, virtual, forward=True)[0]].is_first
+
+    def receives_grad(k):
+        """Backward k exists and takes a gradient from the next rank (the model's last chunk starts from its loss)."""
+        return k < total and not stages[virtual_microbatch(k, pp, virtual, forward=False)[0]].is_last
+
+    def deallocate(k):
+        chunk, mb = virtual_microbatch(k, pp, virtual, forward=True)
+        stash.deallocate(mb, chunk)
+
+    exchange = comm.send_forward_backward_recv_forward_backward
+    warmup = interleaved_warmup(pp, comm.stage, len(microbatches), virtual)
+    x, grad = exchange(None, None, receives_input(0), warmup == 0 and receives_grad(0))
+    for k in range(warmup):
+        out = forward(k, x)
+        first_grad = k == warmup - 1 and receives_grad(0)  # the steady state starts with backward 0
+        x, grad = exchange(out, None, receives_input(k + 1), first_grad)
+        deallocate(k)
+    for i in range(total - warmup):
+        k_fwd, k_bwd = warmup + i, i
+        out = forward(k_fwd, x)
+        input_grad = backward(k_bwd, grad)
+        x, grad = exchange(out, input_grad, receives_input(k_fwd + 1), receives_grad(k_bwd + 1))
+        deallocate(k_fwd)
+    for k in range(total - warmup, total):
+        _, grad = exchange(None, backward(k, grad), False, receives_grad(k + 1))
+    return stash.loss
+
+
+def zb1p_forward_backward(stages, comm, microbatches):
+    """ZB-H1: 1F1B's order with each backward split, stage s running W of microbatch i-s after B of i."""
+    stash = Stash(stages, comm, microbatches)
+    m, stage = len(microbatches), comm.stage
+    warmup = warmup_microbatches(comm.num_stages, stage, m)
+
+    for mb in range(warmup):
+        comm.send_forward(stash.forward(mb, comm.recv_forward()))
+        stash.deallocate(mb)
+
+    x = comm.recv_forward() if warmup < m else None
+    for i in range(m):
+        fwd_mb = warmup + i
+        if fwd_mb < m:  # steady: the newest forward, then the oldest microbatch's B
+            out_grad = comm.send_forward_recv_backward(stash.forward(fwd_mb, x))
+            stash.deallocate(fwd_mb)
+        else:  # cool-down
+            out_grad = comm.recv_backward()
+        # Send B's input gradient at once: the previous stage waits for it, not for our W. The send
+        # completes while W runs; the next input is received only after W (two exchanges).
+        comm.send_backward(stash.backward(i, out_grad, split=True))
+        if i >= stage:
+            stash.backward_weights(i - stage)
+        if fwd_mb + 1 < m:
+            x = comm.recv_forward()
+
+    for mb in range(m - stage, m):  # the W's this stage postponed
+        stash.backward_weights(mb)
+    return stash.loss
+
+
+SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
+             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward}

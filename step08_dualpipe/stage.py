@@ -1,0 +1,120 @@
+"""One pipeline stage as a schedule sees it: run a microbatch forward, or backward.
+
+The schedule decides *when*; the stage knows *how*:
+
+    output = stage.forward(mb, x, target)        # x: the received activation, or token ids on stage 0
+    input_grad = stage.backward(mb, x, output, output_grad)
+
+On the last stage the output is the microbatch's mean loss, and the schedule
+passes output_grad = 1/m, the gradient of the batch's mean loss with respect to
+one microbatch's mean loss: summed over the m backwards, the gradients are those
+of the whole batch (all microbatches hold the same number of tokens).
+
+With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
+the schedule keeps the input and calls `recompute_forward` to rebuild the graph
+before the backward.
+
+With deallocate (Megatron's deallocate_output_tensor), once the output has been
+sent to the next stage its values are dropped: only its autograd node is needed
+for the backward, since the next stage returns d(loss)/d(output) and the last
+operation of a stage (a residual add) saves nothing of its own output.
+
+`chunk` numbers this rank's model chunks: with virtual stages a rank holds
+several, and `chunk` tells them apart in the activation meter and the timeline.
+The timeline and the activation meter only watch: leave them out and the stage
+computes the same.
+"""
+import torch
+from torch.autograd import Variable
+
+from memory import ActivationMeter
+from model import lm_loss
+from timeline import Timeline
+from weight_grad_store import WeightGradStore
+
+
+def deallocate_output(out):
+    """Keep out's autograd node, drop its values: the next stage holds them now."""
+    assert out._base is None, "freeing a view would not free the memory of the tensor it views"
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def custom_backward(out, grad):
+    """Megatron's custom_backward: out.backward(grad) checks that grad has out's shape, which
+    deallocation shrank to one element; the autograd engine itself needs only out's graph node."""
+    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
+                                            create_graph=False, inputs=(), allow_unreachable=True,
+                                            accumulate_grad=True)
+
+
+class PipelineStage:
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None):
+        self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
+        self.is_first, self.is_last = model.first, model.last
+        self.timeline = timeline or Timeline(enabled=False)
+        self.loss_scale = 1.0  # fp16: the last stage's backward starts from the scaled loss (train.py sets it)
+        self.meter = meter or ActivationMeter(enabled=False)
+
+    def _run(self, x, target):
+        out = self.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
+        return lm_loss(out, target, self.model.tp) if self.is_last else out  # TP: from vocabulary slices
+
+    def forward(self, mb, x, target):
+        key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
+        with self.timeline.span("forward", mb, chunk=self.chunk):
+            if self.recompute:
+                self.meter.keep(key, x)  # only the input is stored
+                with torch.no_grad():
+                    return self._run(x, target)
+            if not self.is_first:
+                x.requires_grad_()  # we need d(loss)/d(input) to send back
+            with self.meter.saving(key):
+                out = self._run(x, target)
+            self.meter.keep(key, out)  # the schedule holds the output until the backward
+            return out
+
+    def recompute_forward(self, mb, x, target):
+        """Run the forward again, this time keeping the graph; returns (input, output)."""
+        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb)), \
+                torch.enable_grad():
+            x = x.detach().requires_grad_(not self.is_first)
+            return x, self._run(x, target)
+
+    def deallocate_output(self, mb, out):
+        """The output has been sent: free its storage (with --deallocate), keep its autograd graph."""
+        if self.deallocate and not self.recompute:  # with recompute the output was never kept
+            self.meter.forget((self.chunk, mb), out)
+            deallocate_output(out)
+
+    def backward(self, mb, x, out, out_grad, split=False):
+        """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0).
+
+        split (step 08): run B only. The Linear weight gradients wait in the WeightGradStore as one W,
+        and the microbatch keeps what they need (each Linear's input and output gradient) until then.
+        """
+        key = (self.chunk, mb)
+        with self.timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(split):
+            custom_backward(out, out_grad)
+        self.meter.release(key)  # autograd has freed what the forward saved
+        if split and self.meter.enabled:
+            for t in WeightGradStore.held():
+                self.meter.keep(key, t)
+        return None if self.is_first else x.grad
+
+    def backward_weights(self, mb):
+        """W of microbatch mb: the oldest waiting weight gradients, which the schedule knows are mb's."""
+        with self.timeline.span("W", mb, chunk=self.chunk):
+            WeightGradStore.pop()
+        self.meter.release((self.chunk, mb))
+
+
+class VirtualStages(torch.nn.ModuleList):
+    """A rank's model chunks as one module, for the optimizer, the meters and the tests.
+
+    Each chunk already names its parameters globally (layers.5.attn.wq.weight), so they are
+    listed without the ModuleList's index prefix: the names match the whole model's.
+    """
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        for chunk in self:
+            yield from chunk.named_parameters(prefix, recurse, remove_duplicate)

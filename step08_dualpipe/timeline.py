@@ -1,0 +1,153 @@
+"""Record what each rank did and when, and turn it into a trace and a bubble measurement.
+
+Each rank appends one event per forward, backward, recompute, send and receive
+(a receive's length is mostly time spent waiting for the peer), and from step 06
+on per tensor-parallel collective (nested in the forward or backward that made
+it): its kind, rank, step, microbatch (None for messages, which carry no label),
+model chunk, what travelled and the bytes this rank sent, where they apply, and
+its start and end in seconds of wall-clock time, a clock that all processes of
+a machine share (and that NTP keeps close across machines), so events of
+different ranks lie on one time axis. A step starts at its earliest event on
+any rank.
+
+On CUDA a span records a pair of CUDA events instead of reading the clock, so
+timing adds no synchronisation inside the step: the GPU stamps the events as it
+reaches them, and end_step turns them into wall-clock times after the step,
+from one synchronize at the step's start that pins GPU time to the wall clock.
+
+The bubble of a rank is the fraction of the step's pipeline window in which it
+did no compute: 1 - (forward + backward (or its B and W) + recompute time) / window, where the window runs
+from the step's start to the end of the last compute event on any rank.
+
+A Timeline made with enabled=False records nothing and costs nothing.
+"""
+import json
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+COMPUTE = ("forward", "backward", "recompute", "B", "W")  # B and W: a backward split in two (step 08)
+
+
+class Timeline:
+    def __init__(self, rank: int = 0, device=None, enabled: bool = True):
+        self.rank, self.enabled = rank, enabled
+        self.on_cuda = device is not None and torch.device(device).type == "cuda"
+        self.events, self.step = [], 0
+        self.pending = []  # CUDA: (event, start stamp, end stamp) until end_step reads them
+
+    def start_step(self, step: int):
+        """Events from now on belong to optimizer step `step`."""
+        self.step = step
+        if self.enabled and self.on_cuda:  # GPU time of `origin` is the wall-clock time `origin_s`
+            torch.cuda.synchronize()
+            self.origin_s, self.origin = time.time(), torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+
+    def span(self, kind: str, microbatch=None, **info):
+        """Record the body as one event; info (chunk, what) goes into the event as it is."""
+        return self._record(kind, microbatch, info) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _record(self, kind, microbatch, info):
+        event = dict(kind=kind, microbatch=microbatch, step=self.step, rank=self.rank, **info)
+        if self.on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.pending.append((event, start, end))
+        else:
+            event["start"] = time.time()
+            yield
+            event["end"] = time.time()
+            self.events.append(event)
+
+    def end_step(self):
+        """CUDA: read this step's stamps, once the GPU has passed them (one synchronize, after the step)."""
+        if self.pending:
+            torch.cuda.synchronize()
+        for event, start, end in self.pending:
+            event["start"] = self.origin_s + self.origin.elapsed_time(start) / 1e3
+            event["end"] = self.origin_s + self.origin.elapsed_time(end) / 1e3
+            self.events.append(event)
+        self.pending.clear()
+
+
+def gather_events(timeline: Timeline):
+    """Every rank's events, on every rank (a collective: all ranks must call it)."""
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, timeline.events)
+    return [e for events in per_rank for e in events]
+
+
+def step_start(events, step: int) -> float:
+    """When a step began: its earliest event on any rank."""
+    return min(e["start"] for e in events if e["step"] == step)
+
+
+def busy_fractions(events, world_size: int, steps):
+    """Mean over `steps` of each rank's compute time / pipeline window."""
+    fractions = [0.0] * world_size
+    for step in steps:
+        step_events = [e for e in events if e["step"] == step and e["kind"] in COMPUTE]
+        window = max(e["end"] for e in step_events) - step_start(events, step)
+        for r in range(world_size):
+            busy = sum(e["end"] - e["start"] for e in step_events if e["rank"] == r)
+            fractions[r] += busy / window / len(steps)
+    return fractions
+
+
+def mean_durations(events, kinds):
+    """The mean duration of each kind of event (step 08's bubble formula takes F, B and W from the run)."""
+    return [sum(e["end"] - e["start"] for e in events if e["kind"] == kind) /
+            max(1, sum(e["kind"] == kind for e in events)) for kind in kinds]
+
+
+def measured_steps(events):
+    """Steps used for the bubble: all that were recorded (train.py does not record the first step,
+    which pays one-off start-up costs, unless it is the only one)."""
+    return sorted({e["step"] for e in events})
+
+
+def bubble_report(events, world_size: int, formula_text: str, formula_value: float, describe_rank):
+    """Lines that put each rank's measured bubble beside the schedule's formula."""
+    steps = measured_steps(events)
+    busy = busy_fractions(events, world_size, steps)
+    lines = [f"bubble, measured over steps {steps[0]}..{steps[-1]} "
+             f"vs formula {formula_text} = {formula_value:.3f}"]
+    for r, b in enumerate(busy):
+        lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}")
+    return lines
+
+
+def box_name(event) -> str:
+    """forward 3, backward 3 chunk 1, recv activation 2, ...: what a trace box says."""
+    parts = [event.get("what") or event["kind"], event["microbatch"]]
+    if event.get("chunk") is not None:
+        parts.append(f"chunk {event['chunk']}")
+    return " ".join(str(p) for p in parts if p is not None)
+
+
+def write_chrome_trace(events, path: str, describe_rank):
+    """One row per rank (thread rank + 1 of process 1); opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+    Steps are laid end to end: each step starts where the previous one ended.
+    """
+    trace, offset = [], 0.0
+    for step in sorted({e["step"] for e in events}):
+        step_events = [e for e in events if e["step"] == step]
+        origin = step_start(events, step)
+        for e in step_events:
+            trace.append(dict(name=box_name(e), cat=e["kind"], ph="X", pid=1, tid=e["rank"] + 1,
+                              ts=(offset + e["start"] - origin) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
+                              args=dict(step=step, rank=e["rank"], microbatch=e["microbatch"],
+                                        chunk=e.get("chunk"), what=e.get("what"), bytes=e.get("bytes"))))
+        offset += max(e["end"] for e in step_events) - origin
+    ranks = sorted({e["rank"] for e in events})
+    trace += [dict(name="thread_name", ph="M", pid=1, tid=r + 1, args=dict(name=f"rank {r} ({describe_rank(r)})"))
+              for r in ranks]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

@@ -1,0 +1,210 @@
+"""Step 07 - mixed precision across the pipeline: half-precision stages, fp32 master weights, one skip for all.
+
+    torchrun --nproc_per_node 2 step07_mixed_precision/train.py --precision bf16
+
+The stages compute and send in bf16 or fp16; each parameter's gradient is summed
+over the microbatches in fp32 and the optimizer steps fp32 master weights (as
+Megatron-LM's Float16OptimizerWithFloat16Params). fp16 scales the loss with a
+dynamic loss scaler, and an overflow on any rank makes every rank skip the step.
+--precision fp32 is step 06.
+"""
+import json
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from config import parse_flags
+from data import get_batch, load_tokens
+from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
+from model import ModelConfig, Transformer, split_layers
+from tensor_parallel import TPGroup
+from tied_embeddings import sum_embedding_grads
+from data_parallel import average_gradients
+from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
+from memory import ActivationMeter
+from p2p import PipelineComm
+from process_groups import ProcessGroupManager, describe_rank
+from schedule import SCHEDULES, bubble_formula, peak_stored_microbatches
+from stage import PipelineStage, VirtualStages
+from timeline import Timeline, bubble_report, gather_events, mean_durations, write_chrome_trace
+
+
+def parse_args(argv=None):
+    """Parse and check the flags; a broken rule ends every rank with one line from rank 0."""
+    return parse_flags(argv, __doc__)
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len,
+                       tie_embeddings=args.tie_embeddings)
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+    args: object
+    device: torch.device
+    pgm: ProcessGroupManager
+    model: torch.nn.Module  # all of this rank's parameters, named as in the whole model
+    optimizer: MixedPrecisionOptimizer
+    stages: list  # this rank's PipelineStages
+    comm: PipelineComm
+    tokens: torch.Tensor
+    timeline: Timeline
+    meter: ActivationMeter
+
+
+def build_model(args, pgm, tp):
+    """This rank's TP shard of its model chunks (virtual stages): global chunks stage, stage + pp, ..."""
+    n_chunks = args.pp * args.virtual_stages
+    layers_of_chunk = split_layers(args.layers, n_chunks)
+    return VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
+                                     seed=args.seed, tp=tp) for g in range(pgm.stage, n_chunks, args.pp))
+
+
+def build(args, device) -> Run:
+    """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp)
+    timeline = Timeline(dist.get_rank(), device)
+    dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
+    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
+    # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
+    optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
+    meter = ActivationMeter(model)
+    stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
+                            timeline=timeline, meter=meter) for c, chunk in enumerate(model)]
+    shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
+    comm = PipelineComm(pgm, shape, dtype, device, timeline, args.p2p, args.scatter_gather)  # pipeline_dtype
+    return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
+
+
+def replica_microbatches(run, inputs, targets):
+    """This data-parallel replica's rows of the global batch, as m (tokens, targets) microbatches.
+
+    Every TP rank of a replica takes the same rows: they compute one stage's slices of the same
+    microbatch. get_batch draws the batch from (seed, step) alone, so they agree with no broadcast."""
+    rows = run.args.batch_size // run.args.dp
+    mine = slice(run.pgm.dp_rank * rows, (run.pgm.dp_rank + 1) * rows)
+    return list(zip(inputs[mine].to(run.device).chunk(run.args.microbatches),
+                    targets[mine].to(run.device).chunk(run.args.microbatches)))
+
+
+def share_loss(run, loss):
+    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    pgm = run.pgm
+    value = torch.zeros((), device=run.device) if loss is None else loss.float()
+    if pgm.is_last:
+        dist.all_reduce(value, group=pgm.dp_group)
+        value /= pgm.dp
+    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
+    return value.item()
+
+
+def compute_gradients(run, step: int) -> float:
+    """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
+    inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
+    run.optimizer.zero_grad()
+    for stage in run.stages:
+        stage.loss_scale = run.optimizer.loss_scale
+    run.comm.begin_step()
+    loss = SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    run.comm.finish_sends()
+    # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
+    # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
+    average_gradients(run.optimizer.main_grads(), run.pgm, run.timeline)
+    if run.args.tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
+        sum_embedding_grads(run.model, run.pgm, run.timeline)
+    return share_loss(run, loss)
+
+
+def instrument(run, step: int):
+    """Measure only what the report shows: the timeline on every step but the first, which pays one-off
+    start-up costs, and the activation meter on the last step. Switched off, they cost nothing."""
+    run.timeline.enabled = step > 0 or run.args.steps == 1
+    run.meter.enabled = step == run.args.steps - 1
+
+
+def train_step(run, step: int) -> dict:
+    """One optimizer step. While the timeline records, all ranks start it together, from a barrier."""
+    reset_peak_memory(run.device)
+    if run.timeline.enabled:
+        dist.barrier()
+    run.timeline.start_step(step)
+    start = time.perf_counter()
+    loss = compute_gradients(run, step)
+    update = run.optimizer.step()  # loss_scale, skipped, grad_norm: the same on every rank of a replica
+    elapsed = time.perf_counter() - start  # rank 0's step ends after the last stage's loss has reached it
+    run.timeline.end_step()
+    tokens = run.args.batch_size * run.args.seq_len
+    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed, **update)
+
+
+def gather_peaks(run) -> dict:
+    """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
+                                   run.meter.peak_stored_microbatches))
+    return dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
+                peak_stored_microbatches=[p[2] for p in peaks])
+
+
+def memory_report(args, record):
+    """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
+    text, _ = peak_stored_microbatches(args, 0)
+    lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
+    for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
+        _, expected = peak_stored_microbatches(args, rank // (args.dp * args.tp))
+        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp, args.tp)}): {count} (formula {expected}), "
+                     f"{size / 2**20:.2f} MiB")
+    return lines
+
+
+def report(run, last_record):
+    """After training: memory and bubble per rank beside their formulas, and the trace file."""
+    events = gather_events(run.timeline)
+    if dist.get_rank() != 0:
+        return
+    print("\n".join(memory_report(run.args, last_record)))
+    times = mean_durations(events, ("forward", "B", "W")) if run.args.schedule == "zb1p" else None
+    text, value = bubble_formula(run.args, times)
+    label = partial(describe_rank, dp=run.args.dp, tp=run.args.tp)
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
+    if run.args.trace:
+        write_chrome_trace(events, run.args.trace, label)
+        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
+
+
+def train(args):
+    device = init_distributed(args.device, args.timeout)
+    run = build(args, device)
+    log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
+    for step in range(args.steps):
+        instrument(run, step)
+        record = train_step(run, step)
+        if step == args.steps - 1:
+            record.update(gather_peaks(run))
+        if dist.get_rank() == 0:
+            scaling = f"  scale 2^{math.log2(record['loss_scale']):g}" if run.optimizer.scaler else ""
+            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
+                  f"{record['tokens_per_s']:9.0f} tokens/s{scaling}{'  skipped' if record['skipped'] else ''}",
+                  flush=True)
+            if log:
+                log.write(json.dumps(record) + "\n")
+    if log:
+        log.close()
+    report(run, record)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors(args.timeout):
+        train(args)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The B/W split of a backward: the input gradient now, the weight gradients later.
+
+A layer y = x W^T has two gradients:
+
+    B:  dx = dy W          the previous layer, and the previous stage, wait for it
+    W:  dW = dy^T x        nobody waits for it until the optimizer step
+
+so a schedule may run B at once and W whenever the stage would otherwise idle
+(Qi et al. 2024, "Zero Bubble Pipeline Parallelism"). As in DeepSeek's DualPipe,
+the split lives in the Linear layer itself: `linear` is an autograd function
+whose backward always returns dx, and either computes dW at once or, while
+deferring, queues it as a closure in the WeightGradStore. One backward's
+closures form one W; `pop` runs the oldest W, so W's run in the order of their
+B's and each weight gradient sums its microbatches in the same order as an
+undivided backward would.
+
+Only the Linear weights wait. The RMSNorm gains and the embedding get their
+gradients during B, from autograd as before: they are a few vectors and one
+gather, a sliver of the backward's time, and splitting them would take an
+autograd function of their own each.
+
+With tensor parallelism the split needs nothing more: the all-reduce of a
+column-parallel layer's input gradient is the backward of f, an autograd node
+of its own that runs in B; the weight gradient of a shard is local. With mixed
+precision (step 07) W adds into the fp32 main_grad, as the gradient hook does
+for the gradients autograd accumulates.
+"""
+from collections import deque
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """This process's FIFO of deferred weight-gradient work (a rank runs one pipeline position)."""
+
+    deferring = False  # while True, linear's backward queues dW instead of computing it
+    cache = []  # closures of the backward now running
+    queue = deque()  # one W (a list of closures) per finished backward, oldest first
+
+    @classmethod
+    def put(cls, closure):
+        cls.cache.append(closure)
+
+    @classmethod
+    def flush(cls):
+        """The backward that queued the cached closures has ended: they form one W."""
+        cls.queue.append(cls.cache)
+        cls.cache = []
+
+    @classmethod
+    def pop(cls):
+        """Run the oldest W."""
+        assert cls.queue, "W before its B: no weight gradients are waiting"
+        for closure in cls.queue.popleft():
+            closure()
+
+    @classmethod
+    def held(cls):
+        """The tensors the newest W keeps alive until it runs: each Linear's output gradient and input."""
+        return [t for closure in cls.queue[-1] for t in closure.args[1:]]
+
+    @classmethod
+    def pending(cls) -> int:
+        """How many W's wait (the schedules must leave none at the end of a step)."""
+        return len(cls.queue)
+
+    @classmethod
+    @contextmanager
+    def split(cls, enabled: bool = True):
+        """Within the block, queue the weight gradients of one backward (a B), then flush them as one W."""
+        cls.deferring = enabled
+        try:
+            yield
+        finally:
+            cls.deferring = False
+        if enabled:
+            cls.flush()
+
+
+def accumulate_weight_grad(weight, grad_output, x):
+    """dW = dy^T x, summed over the tokens, added to what the weight has (main_grad in half precision)."""
+    # [tokens, out]^T @ [tokens, in] -> [out, in]
+    grad = grad_output.reshape(-1, grad_output.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
+    if hasattr(weight, "main_grad"):  # step 07: the fp32 sum over microbatches
+        weight.main_grad += grad.float()
+    elif weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
+
+
+class Linear(torch.autograd.Function):
+    """y = x W^T whose backward returns dx at once and computes or queues dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight):  # [..., in], [out, in] -> [..., out]
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)  # [..., out] @ [out, in] -> [..., in]: B
+        if WeightGradStore.deferring:
+            WeightGradStore.put(partial(accumulate_weight_grad, weight, grad_output, x))
+        else:
+            accumulate_weight_grad(weight, grad_output, x)
+        return grad_input, None  # dW went to weight.grad (or main_grad) directly, now or in W
+
+
+def linear(x, weight):
+    return Linear.apply(x, weight)
