@@ -19,6 +19,10 @@ sent to the next stage its values are dropped: only its autograd node is needed
 for the backward, since the next stage returns d(loss)/d(output) and the last
 operation of a stage (a residual add) saves nothing of its own output.
 
+Step 08 can split a backward in two: backward(..., split=True) runs B, the
+input gradient, and leaves the Linear weight gradients queued as one W in the
+WeightGradStore; backward_weights(mb) runs that W later (weight_grad_store.py).
+
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
 The timeline and the activation meter only watch: leave them out and the stage

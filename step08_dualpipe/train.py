@@ -1,12 +1,12 @@
-"""Step 07 - mixed precision across the pipeline: half-precision stages, fp32 master weights, one skip for all.
+"""Step 08 - the B/W split: input gradients now, weight gradients later, and the zero-bubble schedule ZB-H1.
 
-    torchrun --nproc_per_node 2 step07_mixed_precision/train.py --precision bf16
+    torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule zb1p
 
-The stages compute and send in bf16 or fp16; each parameter's gradient is summed
-over the microbatches in fp32 and the optimizer steps fp32 master weights (as
-Megatron-LM's Float16OptimizerWithFloat16Params). fp16 scales the loss with a
-dynamic loss scaler, and an overflow on any rank makes every rank skip the step.
---precision fp32 is step 06.
+A stage's backward runs in two parts: B, the gradient of its input, which the
+previous stage waits for, and W, its Linear weights' gradients, which wait in a
+FIFO store (weight_grad_store.py) until the schedule finds idle time for them.
+--schedule zb1p runs 1F1B with stage s postponing s W's; the other schedules run
+each backward whole, as in step 07.
 """
 import json
 import math

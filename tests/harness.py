@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+import formulas
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "worker.py"
 RTOL = 1e-5  # fp32 losses and gradients: pipelining only reorders sums, so they agree to rounding
@@ -147,6 +149,19 @@ def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, wei
     missing = sorted(set(ref["grads"]) - {name for got in results for name in got["names"]})
     if missing:
         errors.append(f"{label}: no rank holds parameters {missing}")
+    return errors
+
+
+def memory_errors(case_dir: Path, world: int, label: str):
+    """Each rank's measured peak of stored microbatches in step 0 against tests/formulas.py (from step 02)."""
+    errors = []
+    for rank in range(world):
+        got = torch.load(case_dir / f"rank{rank}.pt")["memory"]
+        if got is not None:
+            expected = formulas.peak_stored(got["schedule"], got["pp"], got["stage"], got["m"], got["v"])
+            if got["peak"] != expected:
+                errors.append(f"{label}, rank {rank} (stage {got['stage']}): {got['peak']} microbatches stored "
+                              f"at the peak, formula {expected}")
     return errors
 
 

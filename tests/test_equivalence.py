@@ -3,6 +3,8 @@
 For each configuration: the loss and every parameter's gradient after one
 step, and the losses and weights after three AdamW steps, must match the whole
 model trained on one device on the same global batch (relative error <= 1e-5).
+The same runs hold the activation meter to the memory formula: the peak number
+of microbatches each rank stored in step 0 must be tests/formulas.py's.
 
 All cases of one step and world size share one launch of `world` processes,
 so the suite pays Python and torch start-up once per group, not per case.
@@ -10,7 +12,7 @@ so the suite pays Python and torch start-up once per group, not per case.
 import pytest
 import torch
 
-from harness import RTOL, WEIGHT_RTOL, compare_case, rel_err, run_cases
+from harness import RTOL, WEIGHT_RTOL, compare_case, memory_errors, rel_err, run_cases
 
 # A tiny model: the schedule is what is under test, not the arithmetic.
 TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
@@ -109,7 +111,7 @@ def test_matches_single_device(step, world, flags, group_results, replay_passes)
     case_dir, failure = group_results(step, world)[tuple(flags)]
     label = f"{step} [{' '.join(flags[len(TINY):])}]"
     assert failure is None, f"{label}: {failure}"
-    errors = compare_case(case_dir, world, label, *tolerances(flags))
+    errors = compare_case(case_dir, world, label, *tolerances(flags)) + memory_errors(case_dir, world, label)
     assert not errors, "\n".join(errors[:25])
 
 

@@ -23,24 +23,25 @@ def test_measuring_code_gives_known_answers(step, step_dirs):
     assert len(report) >= 2 and not any(report.values()), report
 
 
-TORCH_CASES = [("afab", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"])]
-STEP = "step05_interleaved"  # the last step with all three schedules
+STEP = "step05_interleaved"  # the last step with just the three classic schedules
+TORCH_CASES = [(STEP, "afab", []), (STEP, "1f1b", []), (STEP, "interleaved", ["--virtual-stages", "2"])]
+TORCH_CASES += [(step, "zb1p", []) for step in STEPS if step >= "step08"]  # the B/W split's zero-bubble schedule
 
 
-def torch_pp(step_dirs, tmp_path, mode, schedule, extra):
+def torch_pp(step_dirs, tmp_path, mode, schedule, extra, step=STEP):
     """Rank 0's report of tests/torch_pp.py on 2 processes (m = 8: a power of two, see its docstring)."""
     out = tmp_path / "report.json"
     flags = ["--device", "cpu", "--schedule", schedule, *extra, "--microbatches", "8", "--batch-size", "16",
              "--layers", "8", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--timeout", "60"]
-    launch([sys.executable, str(REPO / "tests" / "torch_pp.py"), str(step_dirs[STEP]), mode, str(out), *flags],
+    launch([sys.executable, str(REPO / "tests" / "torch_pp.py"), str(step_dirs[step]), mode, str(out), *flags],
            2, tmp_path, timeout=120)
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("schedule, extra", TORCH_CASES, ids=[c[0] for c in TORCH_CASES])
-def test_gradients_bitwise_equal_to_torch_pipelining(schedule, extra, step_dirs, tmp_path, replay_passes):
-    replay_passes(STEP)
-    report = torch_pp(step_dirs, tmp_path, "grads", schedule, extra)
+@pytest.mark.parametrize("step, schedule, extra", TORCH_CASES, ids=[f"{c[0]}:{c[1]}" for c in TORCH_CASES])
+def test_gradients_bitwise_equal_to_torch_pipelining(step, schedule, extra, step_dirs, tmp_path, replay_passes):
+    replay_passes(step)
+    report = torch_pp(step_dirs, tmp_path, "grads", schedule, extra, step)
     assert all(rank["bitwise"] for rank in report["ranks"]), report
 
 

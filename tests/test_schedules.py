@@ -50,17 +50,18 @@ def test_printed_formulas_match_the_papers(step, step_dirs):
     assert report["configurations"] >= 8 and not report["problems"], report
 
 
-MEMORY_CASES = [(step, "afab", 4, 1, 8, 1) for step in SCHEDULED] + [
-    (step, "1f1b", pp, dp, m, 1) for step in SCHEDULED for pp, dp, m in [(4, 1, 8), (4, 1, 2), (2, 2, 4)]] + [
-    (step, "interleaved", pp, dp, m, v) for step in SCHEDULED if step >= "step05"
-    for pp, dp, m, v in [(4, 1, 8, 2), (2, 2, 2, 2), (2, 1, 4, 3)]] + [
-    (step, "zb1p", pp, dp, m, 1) for step in SCHEDULED if step >= "step08" for pp, dp, m in [(4, 1, 8), (2, 2, 4)]]
+# Through train.py's own log, with data parallelism (the equivalence runs check the meter against the
+# formula in many more layouts): one case per schedule a step has.
+MEMORY_CASES = [(step, "1f1b", 2, 2, 4, 1) for step in SCHEDULED] + [
+    (step, "interleaved", 2, 2, 2, 2) for step in SCHEDULED if step >= "step05"] + [
+    (step, "zb1p", 2, 2, 4, 1) for step in SCHEDULED if step >= "step08"]
 
 
 @pytest.mark.parametrize("step, schedule, pp, dp, m, v", MEMORY_CASES)
 def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, step_dirs, tmp_path, replay_passes):
-    """And with dp > 1: each rank all-reduces its gradients once per step, after its last backward (after its
-    last W, in zb1p: the weight gradients are complete only then)."""
+    """train.py's log reports each rank's peak of stored microbatches as the formula says; and each rank
+    all-reduces its gradients once per step, after its last backward (after its last W, in zb1p: the
+    weight gradients are complete only then)."""
     replay_passes(step)
     log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
     flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
@@ -73,11 +74,9 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
     expected = [formulas.peak_stored(schedule, pp, rank // dp, m, v) for rank in range(pp * dp)]
     assert record["peak_stored_microbatches"] == expected
     assert all(b > 0 for b in record["peak_activation_bytes"])
-    if dp > 1:
-        boxes = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-        for rank in range(pp * dp):
-            for step in (1,):  # the timeline records every step but the first
-                mine = [e for e in boxes if e["args"]["rank"] == rank and e["args"]["step"] == step]
-                syncs = [e for e in mine if e["cat"] == "allreduce"]
-                last_backward = max(e["ts"] + e["dur"] for e in mine if e["cat"] in ("backward", "B", "W"))
-                assert len(syncs) == 1 and syncs[0]["ts"] >= last_backward, (rank, step, syncs)
+    boxes = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in range(pp * dp):
+        mine = [e for e in boxes if e["args"]["rank"] == rank and e["args"]["step"] == 1]  # step 0 is not traced
+        syncs = [e for e in mine if e["cat"] == "allreduce"]
+        last_backward = max(e["ts"] + e["dur"] for e in mine if e["cat"] in ("backward", "B", "W"))
+        assert len(syncs) == 1 and syncs[0]["ts"] >= last_backward, (rank, syncs)

@@ -7,7 +7,8 @@ Each rank builds the step's own run (train.build) and, from the step's own
 Transformer chunks with the same seed, torch.distributed.pipelining
 PipelineStages and the matching schedule:
 
-    afab -> ScheduleGPipe,  1f1b -> Schedule1F1B,  interleaved -> ScheduleInterleaved1F1B
+    afab -> ScheduleGPipe,  1f1b -> Schedule1F1B,  interleaved -> ScheduleInterleaved1F1B,
+    zb1p (step 08) -> ScheduleInterleavedZeroBubble (torch's ZB1P, here with one stage per rank)
 
 grads: one step of each; rank 0 writes, per schedule, whether every gradient is
 bitwise equal (and the largest difference). Our last stage seeds its backward with
@@ -22,12 +23,32 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+import torch.nn.functional as F
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 
-TORCH_SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+TORCH_SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                   "zb1p": ScheduleInterleavedZeroBubble}  # torch's ZB1P, one stage per rank here
+
+
+@contextmanager
+def plain_linear():
+    """Step 08: torch's zero-bubble schedules split the backward themselves (autograd.grad for the inputs,
+    then for the weights), so while torch runs, the course's modules call plain F.linear instead of the
+    course's Linear, whose backward adds dW itself and hands autograd no weight gradient."""
+    modules = [m for m in (sys.modules.get("tensor_parallel"), sys.modules.get("model")) if hasattr(m, "linear")]
+    course = [m.linear for m in modules]
+    for m in modules:
+        m.linear = F.linear
+    try:
+        yield
+    finally:
+        for m, linear in zip(modules, course):
+            m.linear = linear
 
 
 def torch_pipeline(train, model, run):
@@ -41,7 +62,8 @@ def torch_pipeline(train, model, run):
     stages = [PipelineStage(chunk, g, n_chunks, run.device, group=pgm.pp_group)
               for chunk, g in zip(chunks, range(pgm.stage, n_chunks, args.pp))]
     kind = TORCH_SCHEDULES[args.schedule]
-    schedule = kind(stages if args.schedule == "interleaved" else stages[0], args.microbatches, loss_fn=model.lm_loss)
+    several = args.schedule in ("interleaved", "zb1p")  # the schedules that take a list of stages
+    schedule = kind(stages if several else stages[0], args.microbatches, loss_fn=model.lm_loss)
     params = [p for chunk in chunks for p in chunk.parameters()]
     return chunks, schedule, torch.optim.AdamW(params, lr=args.lr)
 
@@ -51,12 +73,13 @@ def torch_gradients(data, run, chunks, schedule, step):
     inputs, targets = data.get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
-    if chunks[0].first:
-        schedule.step(inputs.to(run.device))
-    elif any(chunk.last for chunk in chunks):
-        schedule.step(target=targets.to(run.device), losses=[])
-    else:
-        schedule.step()
+    with plain_linear():
+        if chunks[0].first:
+            schedule.step(inputs.to(run.device))
+        elif any(chunk.last for chunk in chunks):
+            schedule.step(target=targets.to(run.device), losses=[])
+        else:
+            schedule.step()
 
 
 def compare(run, chunks):

@@ -40,6 +40,7 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
     case = f"[{' '.join(argv)}]"
     status(out_case.parent, rank, f"{case}: step 0 forward/backward")
     losses = [train.compute_gradients(run, 0)]
+    memory = stored_microbatches(run, args, rank)
     # Step 07 in half precision: the fp32 sums of the microbatches' gradients (still times the loss scale).
     grads = {n: getattr(p, "main_grad", p.grad).detach().cpu().clone() for n, p in run.model.named_parameters()
              if getattr(p, "main_grad", p.grad) is not None}
@@ -56,10 +57,21 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
     # (replica, TP rank, TP size): no data parallelism before step 03 (no run.pgm), no TP before step 06.
     pgm = getattr(run, "pgm", None)
     place = (getattr(pgm, "dp_rank", 0), getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1))
-    torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place,
+    torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place, memory=memory,
                     masters={n: t.detach().cpu().clone() for n, t in masters.items()}, scales=scales),
                out_case / f"rank{rank}.pt")
     return args
+
+
+def stored_microbatches(run, args, rank: int):
+    """The peak of microbatches the activation meter saw this rank hold in step 0, with what the formula
+    needs: the schedule, pp, m, v and this rank's stage (rank = stage * dp * tp + ...). None in step 01."""
+    meter = getattr(run, "meter", None)
+    if meter is None:
+        return None
+    stage = rank // (getattr(args, "dp", 1) * getattr(args, "tp", 1))
+    return dict(peak=meter.peak_stored_microbatches, schedule=getattr(args, "schedule", "afab"), pp=args.pp,
+                m=args.microbatches, v=getattr(args, "virtual_stages", 1), stage=stage)
 
 
 def reference(args, out_case: Path):
