@@ -44,6 +44,8 @@ def make_scaler(args):
 
 def accumulate_main_grad(param):
     """After a microbatch's backward: add its half gradient into the fp32 sum, free the half one."""
+    if param.grad is None:  # step 08: a Linear weight, whose W adds into main_grad itself
+        return
     param.main_grad += param.grad.float()
     param.grad = None
 

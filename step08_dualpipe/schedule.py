@@ -87,6 +87,7 @@ class Stash:
     def __init__(self, stages, comm, microbatches):
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
+        self.waiting = {}  # (chunk, mb) -> received output gradient, until the W (step 08)
         self.loss_sum = None  # last stage only
 
     def forward(self, mb, x, chunk=0):
@@ -112,11 +113,16 @@ class Stash:
         if stage.is_last:  # d(S x batch mean loss) / d(microbatch mean loss), S the loss scale (step 07)
             out_grad = torch.full_like(out, stage.loss_scale / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad, split)
+        if split:  # the stage's last Linear reads the received gradient as its dy in W: keep it until then
+            self.waiting[chunk, mb] = received[1]
+            received = received[:1]
         self.comm.recycle(*received)
         return input_grad
 
     def backward_weights(self, mb, chunk=0):
+        """W of mb (step 08); then the gradient buffer its B received can take the next message."""
         self.stages[chunk].backward_weights(mb)
+        self.comm.recycle(self.waiting.pop((chunk, mb)))
 
     def deallocate(self, mb, chunk=0):
         """mb's output has been sent: its values may go (see PipelineStage.deallocate_output)."""

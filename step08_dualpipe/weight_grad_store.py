@@ -97,12 +97,15 @@ class Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight):  # [..., in], [out, in] -> [..., out]
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # The parameter itself, not a saved copy: W adds into its .grad (or main_grad), and a tensor
+        # unpacked from a saved-tensor hook (the activation meter's) is another object.
+        ctx.weight = weight
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_input = grad_output.matmul(weight)  # [..., out] @ [out, in] -> [..., in]: B
         if WeightGradStore.deferring:
             WeightGradStore.put(partial(accumulate_weight_grad, weight, grad_output, x))

@@ -325,10 +325,11 @@ class Step:
 def ideal_timeline(logs, times):
     """Each rank's replayed passes, each run as early as its data allows: [(rank, kind, mb, start, end)].
 
-    times: exact durations {"F", "B", "W"} (a backward that is not split takes B + W). Messages take no
-    time: the forward of mb on stage s waits only for the forward of mb on s-1, a backward for the
-    backward on s+1. One model chunk per rank.
+    times: exact durations {"F", "B", "W"} (a backward that is not split takes B + W), or a list of
+    them, one per rank, for stages of unequal cost. Messages take no time: the forward of mb on stage s
+    waits only for the forward of mb on s-1, a backward for the backward on s+1. One model chunk per rank.
     """
+    per_rank = times if isinstance(times, list) else [times] * len(logs)
     passes = [[e for e in log if e[0] in ("F", "B", "W")] for log in logs]
     pp, ends, clock, boxes = len(logs), {}, [Fraction(0)] * len(logs), []
     progress = True
@@ -342,7 +343,8 @@ def ideal_timeline(logs, times):
                 if needs and needs not in ends:
                     break
                 start = max(clock[s], ends.get(needs, 0))
-                clock[s] = start + (times["B"] + times["W"] if kind == "B" and not split[0] else times[kind])
+                t = per_rank[s]
+                clock[s] = start + (t["B"] + t["W"] if kind == "B" and not split[0] else t[kind])
                 ends[s, kind, mb] = clock[s]
                 boxes.append((s, kind, mb, start, clock[s]))
                 passes[s].pop(0)

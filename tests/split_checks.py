@@ -19,11 +19,12 @@ MICROBATCHES = 2
 
 
 def build(modules, tp, dtype):
-    """A PipelineStage over the whole model (tp 1) or this rank's shard of it (tp 2)."""
-    model, stage, tensor_parallel, dist = modules
+    """A PipelineStage over the whole model (tp 1) or this rank's shard of it (tp 2), with an activation
+    meter as train.py gives it (its saved-tensor hooks must not change what W computes)."""
+    model, stage, tensor_parallel, memory, dist = modules
     group = tensor_parallel.TPGroup(dist.group.WORLD, dist.get_rank(), 2) if tp == 2 else tensor_parallel.TPGroup()
     net = model.Transformer(model.ModelConfig(**FLAGS), seed=0, tp=group).to(dtype)
-    return stage.PipelineStage(net)
+    return stage.PipelineStage(net, meter=memory.ActivationMeter(net))
 
 
 def gradients(stage, batches, split, run_weights=True):
@@ -46,6 +47,7 @@ def main(step_dir, out):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
     import distributed
+    import memory
     import model
     import stage
     import tensor_parallel
@@ -53,7 +55,7 @@ def main(step_dir, out):
     from weight_grad_store import WeightGradStore
 
     distributed.init_distributed("cpu", 60)
-    modules = (model, stage, tensor_parallel, dist)
+    modules = (model, stage, tensor_parallel, memory, dist)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (MICROBATCHES, 2, FLAGS["seq_len"] + 1), generator=generator)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]  # the same on both ranks

@@ -67,8 +67,8 @@ CASES = [
          "--precision", "fp16", "--initial-loss-scale", str(2**32)),
     # B/W split (step 08): zb1p, every W queued after its B and run later in FIFO order; the other
     # schedules now run the same Linear autograd function with nothing deferred.
-    *[case("step08_dualpipe", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), "--schedule", "zb1p")
-      for pp, m in [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]],
+    *[case("step08_dualpipe", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), "--batch-size", str(m),
+           "--schedule", "zb1p") for pp, m in [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]],
     case("step08_dualpipe", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "4", "--schedule", "zb1p"),
     *[case("step08_dualpipe", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "2", *extra)
       for extra in (["--schedule", "zb1p"], ["--schedule", "zb1p", "--tie-embeddings"], ["--virtual-stages", "2"])],

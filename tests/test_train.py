@@ -151,6 +151,12 @@ CASES += [
     *bad(MP_STEPS, 1, ["--initial-loss-scale", "-1"], "--initial-loss-scale -1.0"),
     *bad(MP_STEPS, 1, ["--clip-grad", "-1"], "--clip-grad -1.0"),
 ]
+ZB_STEPS = [s for s in STEPS if s >= "step08"]
+CASES += [
+    *bad(ZB_STEPS, 4, ["--schedule", "zb1p", "--microbatches", "2", "--batch-size", "8"], "--microbatches 2",
+         "at least --pp 4", "zb1p"),
+    *bad(ZB_STEPS, 2, ["--schedule", "zb1p", "--p2p", "ordered"], "--p2p ordered", "zb1p", "batched"),
+]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
 
