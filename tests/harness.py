@@ -152,6 +152,17 @@ def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, wei
     return errors
 
 
+def write_per_rank(found, out: str):
+    """Rank side of a check script: gather every rank's findings, write them as one JSON list on rank 0."""
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, found)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(per_rank, f)
+
+
 def memory_errors(case_dir: Path, world: int, label: str):
     """Each rank's measured peak of stored microbatches in step 0 against tests/formulas.py (from step 02)."""
     errors = []

@@ -15,11 +15,12 @@ norm: the global norm the optimizer computes (fp32, --clip-grad 0.5) against
       Also whether the step scaled every gradient by exactly CLIP / (norm + 1e-6),
       Megatron's factor, computed here from the norm the step returned.
 """
-import json
 import os
 import sys
 
 import torch
+
+from harness import write_per_rank
 
 FLAGS = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
          "--layers", "4", "--microbatches", "2", "--tp", "2", "--pp", "2", "--timeout", "60"]
@@ -90,17 +91,12 @@ def main(step_dir, mode, out):
     import distributed
     import mixed_precision
     import model
-    import torch.distributed as dist
     import train
 
     device = distributed.init_distributed("cpu", 60)
     found = injected_inf(train, mixed_precision, device) if mode == "inf" else \
         global_norm(train, mixed_precision, device, model, data)
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, found)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(per_rank, f)
+    write_per_rank(found, out)
     distributed.shutdown()
 
 

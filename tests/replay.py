@@ -176,7 +176,7 @@ class FakeStage:
         return tag(ACTIVATION, self.g, mb)
 
     def backward(self, mb, x, out, out_grad, split=False):
-        self.log.append(("B", (self.chunk, mb), split))  # split (step 08): B now, its W later
+        self.log.append(("B", (self.chunk, mb), "split") if split else ("B", (self.chunk, mb)))  # step 08: W later
         if self.is_last:  # the schedule seeds the loss's backward with 1/m
             expected = torch.full_like(out_grad, 1 / self.microbatches)
         else:
@@ -206,10 +206,15 @@ def check_consumed(log):
     return problems
 
 
+def is_split(entry) -> bool:
+    """A logged B whose W comes later (step 08); a whole backward logs as ("B", (chunk, mb))."""
+    return entry[0] == "B" and entry[-1] == "split"
+
+
 def check_weight_order(compute):
     """Step 08: the W's run in the order of their split B's (the store is a FIFO), each after its own B,
     and none is left waiting at the end."""
-    split = [e[1] for e in compute if e[0] == "B" and e[2]]
+    split = [e[1] for e in compute if is_split(e)]
     weights = [e[1] for e in compute if e[0] == "W"]
     if weights != split:
         return [f"W's {weights} are not the split B's {split} in the same order"]
@@ -233,7 +238,7 @@ def check_compute_order(log, expected_count, expected_warmup, expected_peak):
             in_flight += 1
         elif kind == "B" and rest[0] not in done:
             problems.append(f"backward of {rest[0]} before its forward")
-        if kind == "W" or kind == "B" and not rest[1]:  # a microbatch holds activations until its last pass
+        if kind == "W" or kind == "B" and len(rest) == 1:  # a microbatch holds activations until its last pass
             in_flight -= 1
         peak = max(peak, in_flight)
     # The warm-up forwards, then the steady state's first forward, come before the first backward.
@@ -337,14 +342,14 @@ def ideal_timeline(logs, times):
         progress = False
         for s in range(pp):
             while passes[s]:
-                kind, (_, mb), *split = passes[s][0]
+                kind, (_, mb), *_ = passes[s][0]
                 needs = (s - 1, "F", mb) if kind == "F" and s > 0 else (s + 1, "B", mb) if kind == "B" and s < pp - 1 \
                     else None
                 if needs and needs not in ends:
                     break
                 start = max(clock[s], ends.get(needs, 0))
                 t = per_rank[s]
-                clock[s] = start + (t["B"] + t["W"] if kind == "B" and not split[0] else t[kind])
+                clock[s] = start + (t["B"] + t["W"] if kind == "B" and not is_split(passes[s][0]) else t[kind])
                 ends[s, kind, mb] = clock[s]
                 boxes.append((s, kind, mb, start, clock[s]))
                 passes[s].pop(0)

@@ -8,11 +8,12 @@ copy runs each backward whole; the other runs B of both (its Linear weight gradi
 WeightGradStore), then both W's. Every parameter's gradient must be bitwise equal, and the store
 empty. Control: the split copy with its W's never run, which must differ (no Linear weight gradients).
 """
-import json
 import os
 import sys
 
 import torch
+
+from harness import write_per_rank
 
 FLAGS = dict(n_layers=2, hidden=32, n_heads=2, seq_len=16)
 MICROBATCHES = 2
@@ -70,11 +71,7 @@ def main(step_dir, out):
             found[f"tp{tp} {dtype}"] = dict(equal=same(whole, split), store_empty=left == 0,
                                             control_equal=same(whole, unrun),
                                             deferred=sum(g is None for g in unrun.values()))
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, found)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(per_rank, f)
+    write_per_rank(found, out)
     distributed.shutdown()
 
 
