@@ -122,3 +122,11 @@ def test_a_nan_or_inf_never_passes_for_a_small_error():
     assert rel_err(bad, ones) == float("inf") and rel_err(ones, bad) == float("inf")
     assert rel_err(bad, bad.clone()) == 0.0 and rel_err(ones, ones) == 0.0
     assert rel_err(bad, torch.tensor([1.0, float("nan"), -float("inf")])) == float("inf")
+
+
+def test_memory_check_catches_a_wrong_peak(tmp_path):
+    """Control for memory_errors: a rank whose measured peak is one off the formula is reported, the right
+    peak is not (1F1B, p = 4, stage 1, m = 8: min(p - stage, m) = 3)."""
+    for peak, wrong in ((3, False), (4, True)):
+        torch.save(dict(memory=dict(peak=peak, schedule="1f1b", pp=4, m=8, v=1, stage=1)), tmp_path / "rank0.pt")
+        assert bool(memory_errors(tmp_path, 1, "control")) == wrong
