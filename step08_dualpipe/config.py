@@ -18,7 +18,7 @@ from distributed import world_from_env
 from mixed_precision import DTYPES as PRECISIONS
 from model import ModelConfig
 from p2p import ORDERINGS
-from schedule import SCHEDULES
+from schedule import SCHEDULES, TWO_WAY, model_chunks
 
 
 class ConfigError(ValueError):
@@ -40,10 +40,12 @@ def build_parser(description=None):
                    help="keep only each stage's input and recompute its forward during backward")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
     p.add_argument("--schedule", default=None,
-                   help="afab | 1f1b | interleaved | zb1p (default: interleaved if --virtual-stages > 1, else 1f1b)")
+                   help="afab | 1f1b | interleaved | zb1p | dualpipe | dualpipev "
+                   "(default: interleaved if --virtual-stages > 1, else 1f1b)")
     p.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
     p.add_argument("--deallocate", action="store_true",
-                   help="free each output's storage once it is sent, keeping its autograd graph")
+                   help="free each output's storage once it is sent, keeping its autograd graph "
+                   "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
                    "activations and pipeline messages (fp32 master weights and gradient sums either way)")
     p.add_argument("--initial-loss-scale", type=float, default=2.0**16,
@@ -106,10 +108,12 @@ def check_model(args):
         raise ConfigError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if (args.hidden // args.heads) % 2:
         raise ConfigError(f"--hidden {args.hidden} / --heads {args.heads} must be even for rotary embedding")
-    chunks = args.pp * args.virtual_stages
+    _, chunks = model_chunks(args, 0)
     if chunks > args.layers:
-        raise ConfigError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {chunks} model chunks "
-                          f"cannot share --layers {args.layers}: each chunk needs a layer")
+        cut = f"--schedule {args.schedule} with --pp {args.pp}" if args.schedule in TWO_WAY else \
+            f"--pp {args.pp} x --virtual-stages {args.virtual_stages}"
+        raise ConfigError(f"{cut} = {chunks} model chunks cannot share --layers {args.layers}: "
+                          "each chunk needs a layer")
 
 
 def check_tensor_parallel(args):
@@ -134,6 +138,28 @@ def check_zb1p(args):
                           "use --p2p batched")
 
 
+def check_two_way(args):
+    """DualPipe needs two equal halves of ranks and of microbatches; both need every rank's V full."""
+    name = f"--schedule {args.schedule}"
+    if args.schedule == "dualpipe" and args.pp % 2:
+        raise ConfigError(f"--pp {args.pp} must be even for {name}: rank r and rank pp-1-r hold the two "
+                          "directions' copies of a stage")
+    if args.schedule == "dualpipe" and args.microbatches % 2:
+        raise ConfigError(f"--microbatches {args.microbatches} must be even for {name}: half of them enter "
+                          "at each end")
+    if args.microbatches < 2 * args.pp:
+        raise ConfigError(f"--microbatches {args.microbatches} must be at least 2 x --pp {args.pp} = "
+                          f"{2 * args.pp} for {name}: its steady state needs every rank's V full")
+    if args.p2p != "batched":
+        raise ConfigError(f"--p2p {args.p2p} does not fit {name}: it commits its queued transfers in one "
+                          "batch_isend_irecv; use --p2p batched")
+    if args.scatter_gather:
+        raise ConfigError(f"--scatter-gather does not fit {name}: its transfers carry whole tensors")
+    if args.tie_embeddings:
+        raise ConfigError(f"--tie-embeddings does not fit {name}: the embedding's and the head's copies "
+                          "are not summed in its stage layout (not supported)")
+
+
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
     if args.schedule not in SCHEDULES:
@@ -143,9 +169,11 @@ def check_schedule(args):
     interleaved = args.schedule == "interleaved"
     if interleaved != (args.virtual_stages > 1):
         raise ConfigError(f"--virtual-stages {args.virtual_stages} does not fit --schedule {args.schedule}: "
-                          "interleaved needs at least 2 virtual stages, afab, 1f1b and zb1p exactly 1")
+                          "interleaved needs at least 2 virtual stages, the other schedules exactly 1")
     if args.schedule == "zb1p":
         check_zb1p(args)
+    if args.schedule in TWO_WAY:
+        check_two_way(args)
     if not interleaved:
         return
     if args.pp < 2:
@@ -198,6 +226,8 @@ def check_config(args, world_size: int, cuda_available: bool):
         args.pp = max(world_size // max(args.dp * args.tp, 1), 1)
     if args.schedule is None:
         args.schedule = "interleaved" if args.virtual_stages > 1 else "1f1b"
+    if args.schedule in TWO_WAY:
+        args.deallocate = True  # DeepSeek's code frees every sent output (dualpipe.py)
     check_numbers(args)
     if args.tp * args.pp * args.dp != world_size:
         raise ConfigError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {args.tp * args.pp * args.dp} "

@@ -56,6 +56,13 @@ its 1/tp slice of the flattened tensor, and the receiving stage's TP ranks
 all-gather the slices: the bytes crossing the pipeline, which may cross nodes,
 fall tp-fold, and the all-gather stays inside the node. A tensor whose size
 does not divide by tp is sent whole.
+
+Step 08's DualPipe moves activations and gradients both ways at once, and
+posts them the way DeepSeek's code does: each transfer is queued as the
+schedule decides it (queue_send, queue_recv), and `commit` posts the queue as
+one batch_isend_irecv right before the next compute and waits for all of it.
+So an activation going down and a gradient going up between the same two
+ranks travel in one fused operation, and neither side can wait for the other.
 """
 import math
 from collections import Counter
@@ -80,6 +87,7 @@ class PipelineComm:
         self.tp, self.tp_rank, self.tp_group = pgm.tp, pgm.tp_rank, pgm.tp_group
         self.split = scatter_gather and pgm.tp > 1 and math.prod(shape) % pgm.tp == 0
         self.free_slices = []  # scatter-gather: buffers for the 1/tp slices on the wire
+        self.queued = []  # step 08: (P2POp, "activation" or "gradient") until the next commit
 
     @property
     def is_first(self) -> bool:
@@ -220,3 +228,44 @@ class PipelineComm:
     def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev, recv_next):
         """Any of the four transfers with both ring neighbours in one exchange; returns (input, output_grad)."""
         return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)
+
+    def queue_recv(self, peer: int, what: str):
+        """Queue the receive of an activation or a gradient from `peer`; returns the buffer it lands in
+        at the next commit."""
+        buffer = self._buffer()
+        self.queued.append((dist.P2POp(dist.irecv, buffer, peer), what))
+        return buffer
+
+    def queue_send(self, tensor, peer: int, what: str):
+        """Queue the send of an activation or a gradient to `peer` (posted at the next commit)."""
+        self.queued.append((dist.P2POp(dist.isend, tensor.detach(), peer), what))
+
+    def commit(self):
+        """Post every queued transfer in one batch and wait for all of them: afterwards the received
+        tensors are complete and the sent ones may be freed (DeepSeek's _commit_and_wait_comm)."""
+        if not self.queued:
+            return
+        queued, self.queued = self.queued, []
+        ops = [op for op, _ in queued]
+        names = [f"{'send' if op.op == dist.isend else 'recv'} {what}" for op, what in queued]
+        directions = {name.split()[0] for name in names}
+        sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op == dist.isend)
+        with self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names),
+                                bytes=sent):
+            try:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            except RuntimeError as err:  # the process group's timeout expired
+                raise PeerTimeout(self._queued_timeout_message(queued)) from err
+        self.received.update(what for op, what in queued if op.op != dist.isend)
+
+    def _queued_timeout_message(self, queued):
+        """Who waited for what in a committed batch: the k-th activation or gradient of this step."""
+        count, waits = Counter(self.received), []
+        for op, what in queued:
+            if op.op == dist.isend:
+                waits.append(f"rank {op.peer} to take this rank's {what}")
+            else:
+                waits.append(f"{what} {count[what]} of this step from rank {op.peer}")
+                count[what] += 1
+        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"

@@ -34,12 +34,13 @@ def grid_coordinates(rank: int, dp: int, tp: int):
     return (stage, *divmod(within, tp))
 
 
-def grid_groups(tp: int, pp: int, dp: int) -> dict:
+def grid_groups(tp: int, pp: int, dp: int, twins: bool = False) -> dict:
     """Every group of the grid, as lists of ranks, in the order all ranks create them.
 
     tp: the ranks of one (stage, replica); dp: of one (stage, tp_rank); pp: of one
     (replica, tp_rank); model_parallel: tp x pp of one replica (all its model, once);
     embedding: first and last stage of each pipeline, which hold the tied embedding.
+    twin (step 08, DualPipe only): stages s and pp-1-s of each pipeline, which hold copies of each other's.
     """
     ranks = lambda s, d, t: grid_rank(s, d, t, dp, tp)  # noqa: E731
     return dict(
@@ -48,18 +49,20 @@ def grid_groups(tp: int, pp: int, dp: int) -> dict:
         pp=[[ranks(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
         model_parallel=[[ranks(s, d, t) for s in range(pp) for t in range(tp)] for d in range(dp)],
         embedding=[[ranks(0, d, t), ranks(pp - 1, d, t)] for d in range(dp) for t in range(tp)] if pp > 1 else [],
+        twin=[[ranks(s, d, t), ranks(pp - 1 - s, d, t)] for s in range(pp // 2) for d in range(dp) for t in range(tp)]
+        if twins else [],
     )
 
 
 class ProcessGroupManager:
-    def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1):
+    def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1, twins: bool = False):
         rank = dist.get_rank()
         self.pp, self.dp, self.tp = pp, dp, tp
         self.stage, self.dp_rank, self.tp_rank = grid_coordinates(rank, dp, tp)
         timeout = timedelta(seconds=timeout_s)
         self.embedding_group = None  # pp = 1: the one stage holds the tied embedding once
         # new_group is collective: every rank creates every group, in the same order.
-        for kind, groups in grid_groups(tp, pp, dp).items():
+        for kind, groups in grid_groups(tp, pp, dp, twins).items():
             for members in groups:
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:

@@ -28,6 +28,8 @@ forward or backward on the right stage and keeps what the backward needs.
 """
 import torch
 
+from dualpipe import run_two_way
+
 
 def bubble_formula(args, times=None):
     """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B).
@@ -35,13 +37,24 @@ def bubble_formula(args, times=None):
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
-    forward, B and W (measured in the same run; equal if left out).
+    forward, B and W (measured in the same run; equal if left out). DualPipe and DualPipeV idle
+    (PP/2-1)(F+B-W), PP the number of stages: ZB-H1's bubble over half as many stages. tests/two_way.py
+    finds it exact on every rank for B <= 1.1 F and W <= F (not for B = 1.2 F with 14 stages); DeepSeek's
+    table writes (PP/2-1)(F&B+B-3W), with F&B a pair overlapped on a GPU and B a whole backward.
     """
     if args.schedule == "zb1p":
         f, b, w = times or (1, 1, 1)
         idle = (args.pp - 1) * (f + b - w)
         text = f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), F:B:W = 1:{b / f:.2f}:{w / f:.2f}"
         return text, idle / (args.microbatches * (f + b + w) + idle)
+    if args.schedule in TWO_WAY:  # a rank runs m (DualPipeV: 2m) forwards, B's and W's
+        f, b, w = times or (1, 1, 1)
+        stages = model_chunks(args, 0)[1]
+        passes = 2 * args.microbatches if args.schedule == "dualpipev" else args.microbatches
+        idle = (stages // 2 - 1) * (f + b - w)
+        text = (f"(PP/2-1)(F+B-W)/(n(F+B+W)+(PP/2-1)(F+B-W)), PP = {stages} stages, n = {passes} passes, "
+                f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
+        return text, idle / (passes * (f + b + w) + idle)
     if args.schedule == "interleaved":
         v = args.virtual_stages
         return "(p-1)/(v*m+p-1)", (args.pp - 1) / (v * args.microbatches + args.pp - 1)
@@ -56,6 +69,8 @@ def peak_stored_microbatches(args, stage: int):
         return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
     if args.schedule == "zb1p":  # 1F1B's p-stage, plus the stage's postponed W's
         return "min(p, m)", min(args.pp, args.microbatches)
+    if args.schedule in TWO_WAY:  # on every rank: DeepSeek's table's PP+1, PP the number of stages
+        return "PP+1 (chunk, microbatch) pairs", model_chunks(args, 0)[1] + 1
     warmup = interleaved_warmup(args.pp, stage, args.microbatches, args.virtual_stages)
     return ("min(2(p-stage-1) + (v-1)p + 1, v*m) (chunk, microbatch) pairs",
             min(warmup + 1, args.virtual_stages * args.microbatches))
@@ -260,5 +275,26 @@ def zb1p_forward_backward(stages, comm, microbatches):
     return stash.loss
 
 
+def dualpipe_forward_backward(stages, comm, microbatches):
+    """DualPipe: half the microbatches enter at each end; the phase table of dualpipe.py."""
+    return run_two_way(Stash(stages, comm, microbatches), comm, v_shape=False)
+
+
+def dualpipev_forward_backward(stages, comm, microbatches):
+    """DualPipeV: every microbatch goes down the V and back up; the phase table of dualpipe.py."""
+    return run_two_way(Stash(stages, comm, microbatches), comm, v_shape=True)
+
+
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
-             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward}
+             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward,
+             "dualpipe": dualpipe_forward_backward, "dualpipev": dualpipev_forward_backward}
+TWO_WAY = ("dualpipe", "dualpipev")
+
+
+def model_chunks(args, stage: int):
+    """(global indices of this rank's model chunks, how many chunks the model is cut into)."""
+    if args.schedule == "dualpipe":  # stage r of the forward direction, stage p-1-r of the reverse one
+        return [stage, args.pp - 1 - stage], args.pp
+    if args.schedule == "dualpipev":  # the V: stage r going down, stage 2p-1-r coming back up
+        return [stage, 2 * args.pp - 1 - stage], 2 * args.pp
+    return list(range(stage, args.pp * args.virtual_stages, args.pp)), args.pp * args.virtual_stages

@@ -112,6 +112,19 @@ class PipelineStage:
         self.meter.release((self.chunk, mb))
 
 
+    def overlapped_forward_backward(self, forward, backward):
+        """Run DualPipe's pair: a forward of this stage and a backward of another microbatch (dualpipe.py).
+
+        One CPU thread can only run them one after the other, drawn as one bracketed box (F&B). On a
+        GPU this is where the overlap goes: cut both into pieces (attention, MLP, their collectives)
+        and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
+        hides its expert all-to-all this way; its modules define their own overlapped_forward_backward.
+        """
+        with self.timeline.span("F&B", chunk=self.chunk):
+            forward()
+            backward()
+
+
 class VirtualStages(torch.nn.ModuleList):
     """A rank's model chunks as one module, for the optimizer, the meters and the tests.
 

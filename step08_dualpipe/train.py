@@ -28,7 +28,8 @@ from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager, describe_rank
-from schedule import SCHEDULES, bubble_formula, peak_stored_microbatches
+from schedule import SCHEDULES, TWO_WAY, bubble_formula, model_chunks, peak_stored_microbatches
+from dualpipe import sum_twin_gradients
 from stage import PipelineStage, VirtualStages
 from timeline import Timeline, bubble_report, gather_events, mean_durations, write_chrome_trace
 
@@ -59,16 +60,20 @@ class Run:
 
 
 def build_model(args, pgm, tp):
-    """This rank's TP shard of its model chunks (virtual stages): global chunks stage, stage + pp, ..."""
-    n_chunks = args.pp * args.virtual_stages
+    """This rank's TP shard of its model chunks: virtual stages stage, stage + pp, ..., or DualPipe's two."""
+    chunks, n_chunks = model_chunks(args, pgm.stage)
     layers_of_chunk = split_layers(args.layers, n_chunks)
-    return VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
-                                     seed=args.seed, tp=tp) for g in range(pgm.stage, n_chunks, args.pp))
+    model = VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
+                                      seed=args.seed, tp=tp) for g in chunks)
+    if args.schedule == "dualpipe":  # the reverse direction's copy of a stage another rank also holds
+        for p in model[1].parameters():
+            p.shared = True  # count it once in the gradient norm (step 07)
+    return model
 
 
 def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
-    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp)
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=args.schedule == "dualpipe")
     timeline = Timeline(dist.get_rank(), device)
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
     model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
@@ -94,13 +99,14 @@ def replica_microbatches(run, inputs, targets):
 
 
 def share_loss(run, loss):
-    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    """The batch's mean loss on every rank: summed along each pipeline (only the ranks that compute a
+    loss hold one: the last stage, or DualPipe's two ends), then averaged over the replicas."""
     pgm = run.pgm
     value = torch.zeros((), device=run.device) if loss is None else loss.float()
-    if pgm.is_last:
+    dist.all_reduce(value, group=pgm.pp_group)
+    if pgm.dp > 1:
         dist.all_reduce(value, group=pgm.dp_group)
         value /= pgm.dp
-    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
     return value.item()
 
 
@@ -113,6 +119,9 @@ def compute_gradients(run, step: int) -> float:
     run.comm.begin_step()
     loss = SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
+    if run.args.schedule == "dualpipe":  # each stage's two copies saw one direction each
+        names = [name for name, _ in run.model.named_parameters()]
+        sum_twin_gradients(dict(zip(names, run.optimizer.main_grads())), run.pgm.twin_group, run.timeline)
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
     average_gradients(run.optimizer.main_grads(), run.pgm, run.timeline)
@@ -169,7 +178,8 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    times = mean_durations(events, ("forward", "B", "W")) if run.args.schedule == "zb1p" else None
+    split = run.args.schedule in ("zb1p", *TWO_WAY)
+    times = mean_durations(events, ("forward", "B", "W")) if split else None
     text, value = bubble_formula(run.args, times)
     label = partial(describe_rank, dp=run.args.dp, tp=run.args.tp)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))

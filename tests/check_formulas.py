@@ -4,7 +4,7 @@
 
 train.py prints `bubble_formula(args)` and `peak_stored_microbatches(args, stage)`, each a (text, value)
 pair from one function; this imports those functions from the step and compares their values. Step 08's
-zb1p formula also takes the measured F, B and W times; it is checked for several.
+zb1p, dualpipe and dualpipev formulas also take the measured F, B and W times; they are checked for several.
 """
 import importlib
 import json
@@ -14,7 +14,8 @@ import sys
 import formulas
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
-TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5)]  # (F, B, W) for step 08's zb1p
+TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5)]  # (F, B, W) for step 08's split schedules
+SPLIT = ("zb1p", "dualpipe", "dualpipev")
 
 
 def configurations(parser):
@@ -47,7 +48,7 @@ def main(step_dir):
             continue
         count += 1
         name = schedule or ("afab" if module.__name__ == "schedule" else default)
-        for times in TIMES if name == "zb1p" else [None]:  # zb1p's bubble depends on the F, B, W times
+        for times in TIMES if name in SPLIT else [None]:  # their bubbles depend on the F, B, W times
             text, value = module.bubble_formula(args, *[times] if times else [])
             expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1))
             if abs(value - expected) > 1e-12:

@@ -8,11 +8,16 @@ def bubble(schedule: str, pp: int, m: int, virtual: int = 1, times=None) -> floa
     """Idle fraction of a rank's step: p-1 fill-and-drain slots beside the work slots.
 
     naive: one slot (the whole batch); GPipe, AFAB and 1F1B: m slots; interleaved: v*m slots.
-    zb1p: the idle time (p-1)(F+B-W) beside the work m(F+B+W), with times = (F, B, W).
+    zb1p: the idle time (p-1)(F+B-W) beside the work m(F+B+W), with times = (F, B, W); DualPipe and
+    DualPipeV: two_way_idle beside the rank's passes.
     """
     if schedule == "zb1p":
         idle = zb1p_idle(pp, *times)
         return idle / (m * sum(times) + idle)
+    if schedule in ("dualpipe", "dualpipev"):  # each rank runs 2 chunks x m (DualPipe: x m/2) of each pass
+        idle = two_way_idle(two_way_stages(schedule, pp), *times)
+        passes = m if schedule == "dualpipe" else 2 * m
+        return idle / (passes * sum(times) + idle)
     slots = {"naive": 1, "interleaved": virtual * m}.get(schedule, m)
     return (pp - 1) / (slots + pp - 1)
 
@@ -35,4 +40,28 @@ def peak_stored(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) ->
     """(Virtual) microbatches whose activations a stage holds at once: the warm-up, plus the steady state's one."""
     if schedule == "zb1p":  # 1F1B's p - stage, and the stage's W's wait for `stage` more microbatches
         return min(pp, m)
+    if schedule in ("dualpipe", "dualpipev"):
+        return two_way_peak(two_way_stages(schedule, pp))
     return m if schedule in ("gpipe", "afab") else min(warmup(schedule, pp, stage, m, virtual) + 1, m * virtual)
+
+
+def two_way_phases(n: int, i: int, k: int) -> list:
+    """DualPipe's eight phase counts (DeepSeek's dualpipe.py, step_1 .. step_8) at place i of a V of n ranks
+    that k microbatches cross: DualPipeV n = p, i = rank, k = m; DualPipe n = p/2, i = min(r, p-1-r), k = m/2."""
+    return [2 * (n - 1 - i), i + 1, n - 1 - i, k - 2 * n + i + 1, n - 1 - i, i + 1, n - 1 - i, i + 1]
+
+
+def two_way_peak(stages: int) -> int:
+    """DualPipe and DualPipeV: (chunk, microbatch) pairs a rank holds at once, DeepSeek's table's PP + 1."""
+    return stages + 1
+
+
+def two_way_idle(stages: int, f, b, w):
+    """DualPipe and DualPipeV's idle time per rank, as the replayed order gives it: ZB-H1's (F+B-W) per stage
+    boundary over half the stages. (DeepSeek's table: (PP/2-1)(F&B+B-3W), B a whole backward.)"""
+    return (stages // 2 - 1) * (f + b - w)
+
+
+def two_way_stages(schedule: str, pp: int) -> int:
+    """DualPipe cuts the model into p stages (each held twice), DualPipeV into 2p."""
+    return pp if schedule == "dualpipe" else 2 * pp

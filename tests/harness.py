@@ -120,15 +120,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, weight_rtol: float = WEIGHT_RTOL):
+def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, weight_rtol: float = WEIGHT_RTOL,
+                 reference: str = "reference.pt"):
     """Every mismatch between the ranks' results and the single-device reference, as text.
 
     Tensor-parallel shards are put back together (by name, along the dimension each was split on)
     and compared as whole parameters, one data-parallel replica at a time. rtol bounds the
     gradients, weight_rtol the weights (and step 07's fp32 masters) after three steps; 0 means
-    bitwise. Step 07's loss scales must be the reference's, step by step.
+    bitwise. Step 07's loss scales must be the reference's, step by step. reference: which of the
+    references worker.py saved (reference_microbatched.pt: computed microbatch by microbatch).
     """
-    ref = torch.load(case_dir / "reference.pt")
+    ref = torch.load(case_dir / reference)
     results = [torch.load(case_dir / f"rank{rank}.pt") for rank in range(world)]
     errors = []
     for rank, got in enumerate(results):

@@ -190,6 +190,12 @@ class FakeStage:
     def deallocate_output(self, mb, out):
         pass
 
+    def overlapped_forward_backward(self, forward, backward):
+        """DualPipe's pair (step 08): logged as a marker before its F and its B."""
+        self.log.append(("F&B",))
+        forward()
+        backward()
+
 
 def check_consumed(log):
     """After matching: every tensor a fake stage consumed held what it expected."""
@@ -272,6 +278,12 @@ class Step:
             flags += ["--virtual-stages", str(virtual)]
         return self.parser.parse_args(flags)
 
+    def layout(self, name, pp, m, virtual, rank):
+        """(global chunks of a rank, chunks in all): the step's own model_chunks (step 08), else interleaved."""
+        if hasattr(self.schedule, "model_chunks"):
+            return self.schedule.model_chunks(self.args(name, pp, m, virtual, "batched"), rank)
+        return [c * pp + rank for c in range(virtual)], pp * virtual
+
     def allowed(self, name, pp, m, virtual, ordering):
         """Whether the step's own rules (its config.check_config) accept this configuration."""
         try:
@@ -298,7 +310,8 @@ class Step:
         pgm = self.groups.ProcessGroupManager(pp, 1, timeout_s=1)
         kwargs = {} if ordering is None else {"ordering": ordering}
         comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", self.timeline.Timeline(enabled=False), **kwargs)
-        stages = [FakeStage(log, dist, c, c * pp + rank, pp * virtual, m) for c in range(virtual)]
+        chunks, n_chunks = self.layout(name, pp, m, virtual, rank)
+        stages = [FakeStage(log, dist, c, g, n_chunks, m) for c, g in enumerate(chunks)]
         if wrong_backward:
             swap_first_two_backwards(stages)
         microbatches = [(tag(TOKENS, 0, mb), None) for mb in range(m)]
@@ -319,6 +332,8 @@ class Step:
     def configurations(self, allowed=True):
         """All (schedule, pp, m, v, ordering) the step's rules allow (or refuse), up to MAX_PP, MAX_M, MAX_V."""
         for name in self.schedule.SCHEDULES:
+            if name in ("dualpipe", "dualpipev"):
+                continue  # step 08's two-way schedules have checks of their own (two_way.py)
             for pp in range(1, MAX_PP + 1):
                 for m in range(1, MAX_M + 1):
                     for virtual in range(2, MAX_V + 1) if name == "interleaved" else [1]:
@@ -327,40 +342,51 @@ class Step:
                                 yield name, pp, m, virtual, ordering
 
 
-def ideal_timeline(logs, times):
-    """Each rank's replayed passes, each run as early as its data allows: [(rank, kind, mb, start, end)].
+def ideal_passes(logs, times, layouts=None):
+    """Each rank's replayed passes, each run as early as its data allows: dicts of rank, kind, chunk
+    (this rank's), mb, start, end, split.
 
     times: exact durations {"F", "B", "W"} (a backward that is not split takes B + W), or a list of
-    them, one per rank, for stages of unequal cost. Messages take no time: the forward of mb on stage s
-    waits only for the forward of mb on s-1, a backward for the backward on s+1. One model chunk per rank.
+    them, one per rank, for stages of unequal cost. layouts[rank][chunk]: the global model chunk that
+    a rank's chunk is (default: one chunk per rank, rank r holding chunk r). Messages take no time:
+    the forward of mb on global chunk g waits only for the forward of mb on g-1, a backward for the
+    backward on g+1.
     """
     per_rank = times if isinstance(times, list) else [times] * len(logs)
+    layouts = layouts or [[rank] for rank in range(len(logs))]
+    last = max(g for layout in layouts for g in layout)
     passes = [[e for e in log if e[0] in ("F", "B", "W")] for log in logs]
-    pp, ends, clock, boxes = len(logs), {}, [Fraction(0)] * len(logs), []
+    ends, clock, boxes = {}, [Fraction(0)] * len(logs), []
     progress = True
     while progress:
         progress = False
-        for s in range(pp):
-            while passes[s]:
-                kind, (_, mb), *_ = passes[s][0]
-                needs = (s - 1, "F", mb) if kind == "F" and s > 0 else (s + 1, "B", mb) if kind == "B" and s < pp - 1 \
+        for rank, todo in enumerate(passes):
+            while todo:
+                kind, (chunk, mb), *_ = todo[0]
+                g = layouts[rank][chunk]
+                needs = ("F", g - 1, mb) if kind == "F" and g > 0 else ("B", g + 1, mb) if kind == "B" and g < last \
                     else None
                 if needs and needs not in ends:
                     break
-                start = max(clock[s], ends.get(needs, 0))
-                t = per_rank[s]
-                clock[s] = start + (t["B"] + t["W"] if kind == "B" and not is_split(passes[s][0]) else t[kind])
-                ends[s, kind, mb] = clock[s]
-                boxes.append((s, kind, mb, start, clock[s]))
-                passes[s].pop(0)
+                start, t, split = max(clock[rank], ends.get(needs, 0)), per_rank[rank], is_split(todo[0])
+                clock[rank] = start + (t["B"] + t["W"] if kind == "B" and not split else t[kind])
+                ends[kind, g, mb] = clock[rank]
+                boxes.append(dict(rank=rank, kind=kind, chunk=chunk, mb=mb, start=start, end=clock[rank],
+                                  split=split))
+                todo.pop(0)
                 progress = True
     assert not any(passes), "the replayed order deadlocks even with free messages"
     return boxes
 
 
-def ideal_idle(logs, times):
+def ideal_timeline(logs, times, layouts=None):
+    """ideal_passes as (rank, kind, mb, start, end) tuples."""
+    return [(b["rank"], b["kind"], b["mb"], b["start"], b["end"]) for b in ideal_passes(logs, times, layouts)]
+
+
+def ideal_idle(logs, times, layouts=None):
     """Per rank, the ideal timeline's length minus the rank's compute."""
-    boxes = ideal_timeline(logs, times)
+    boxes = ideal_timeline(logs, times, layouts)
     length = max(end for *_, end in boxes)
     return [length - sum(end - start for r, *_, start, end in boxes if r == rank) for rank in range(len(logs))]
 
@@ -440,6 +466,8 @@ def weight_order_controls(step):
 
 
 def main(step_dir):
+    from two_way import check_two_way  # step 08; it imports this module, so not at the top
+
     step = Step(step_dir)
     start, problems, count = time.perf_counter(), [], 0
     for name, pp, m, v, ordering in step.configurations():
@@ -453,8 +481,11 @@ def main(step_dir):
     print(json.dumps(dict(configurations=count, seconds=round(time.perf_counter() - start, 1),
                           problem_count=len(problems), problems=problems[:50],
                           refused_but_safe=refused_but_safe[:50], **negative_controls(step),
-                          **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}))))
+                          **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}),
+                          **(check_two_way(step) if "dualpipe" in step.schedule.SCHEDULES else {}))))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import replay  # run as the module two_way.py imports, so that there is one class Op, one FakeDist
+
+    replay.main(sys.argv[1])

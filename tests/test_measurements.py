@@ -25,7 +25,7 @@ def test_measuring_code_gives_known_answers(step, step_dirs):
 
 STEP = "step05_interleaved"  # the last step with just the three classic schedules
 TORCH_CASES = [(STEP, "afab", []), (STEP, "1f1b", []), (STEP, "interleaved", ["--virtual-stages", "2"])]
-TORCH_CASES += [(step, "zb1p", []) for step in STEPS if step >= "step08"]  # the B/W split's zero-bubble schedule
+TORCH_CASES += [(step, name, []) for step in STEPS if step >= "step08" for name in ("zb1p", "dualpipev")]
 
 
 def torch_pp(step_dirs, tmp_path, mode, schedule, extra, step=STEP):

@@ -156,6 +156,20 @@ CASES += [
     *bad(ZB_STEPS, 4, ["--schedule", "zb1p", "--microbatches", "2", "--batch-size", "8"], "--microbatches 2",
          "at least --pp 4", "zb1p"),
     *bad(ZB_STEPS, 2, ["--schedule", "zb1p", "--p2p", "ordered"], "--p2p ordered", "zb1p", "batched"),
+    *bad(ZB_STEPS, 3, ["--schedule", "dualpipe", "--microbatches", "6", "--batch-size", "6", "--layers", "3"],
+         "--pp 3", "even", "dualpipe"),
+    *bad(ZB_STEPS, 2, ["--schedule", "dualpipe", "--microbatches", "5", "--batch-size", "10"],
+         "--microbatches 5", "even", "dualpipe"),
+    *bad(ZB_STEPS, 4, ["--schedule", "dualpipev", "--microbatches", "6", "--batch-size", "12"],
+         "--microbatches 6", "at least 2 x --pp 4 = 8", "dualpipev"),
+    *bad(ZB_STEPS, 4, ["--schedule", "dualpipev", "--microbatches", "8", "--layers", "6"],
+         "--schedule dualpipev with --pp 4 = 8 model chunks", "--layers 6"),
+    *bad(ZB_STEPS, 2, ["--schedule", "dualpipev", "--p2p", "ordered"], "--p2p ordered", "dualpipev", "batched"),
+    *bad(ZB_STEPS, 2, ["--schedule", "dualpipe", "--tie-embeddings"], "--tie-embeddings", "dualpipe"),
+    *bad(ZB_STEPS, 4, ["--schedule", "dualpipev", "--tp", "2", "--scatter-gather"], "--scatter-gather",
+         "dualpipev"),
+    *bad(ZB_STEPS, 2, ["--schedule", "dualpipev", "--virtual-stages", "2"], "--virtual-stages 2",
+         "--schedule dualpipev"),
 ]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")

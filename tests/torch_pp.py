@@ -9,6 +9,7 @@ PipelineStages and the matching schedule:
 
     afab -> ScheduleGPipe,  1f1b -> Schedule1F1B,  interleaved -> ScheduleInterleaved1F1B,
     zb1p (step 08) -> ScheduleInterleavedZeroBubble (torch's ZB1P, here with one stage per rank)
+    dualpipev (step 08) -> ScheduleDualPipeV (rank r holds stages r and 2p-1-r)
 
 grads: one step of each; rank 0 writes, per schedule, whether every gradient is
 bitwise equal (and the largest difference). Our last stage seeds its backward with
@@ -28,11 +29,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 TORCH_SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-                   "zb1p": ScheduleInterleavedZeroBubble}  # torch's ZB1P, one stage per rank here
+                   "zb1p": ScheduleInterleavedZeroBubble,  # torch's ZB1P, one stage per rank here
+                   "dualpipev": ScheduleDualPipeV}
 
 
 @contextmanager
@@ -51,18 +53,25 @@ def plain_linear():
             m.linear = linear
 
 
+def chunk_layout(args, stage):
+    """(global chunks of this rank, chunks in all): the step's own layout where it has one (step 08)."""
+    schedule = sys.modules["schedule"]
+    if hasattr(schedule, "model_chunks"):
+        return schedule.model_chunks(args, stage)
+    n_chunks = args.pp * getattr(args, "virtual_stages", 1)
+    return list(range(stage, n_chunks, args.pp)), n_chunks
+
+
 def torch_pipeline(train, model, run):
     """torch's stages over fresh copies of this rank's chunks, its schedule, and an AdamW like ours."""
     args, pgm = run.args, run.pgm
-    v = getattr(args, "virtual_stages", 1)
-    n_chunks = args.pp * v
+    ids, n_chunks = chunk_layout(args, pgm.stage)
     layers = model.split_layers(args.layers, n_chunks)
     chunks = [model.Transformer(train.model_config(args), layers[g], first=g == 0, last=g == n_chunks - 1,
-                                seed=args.seed).to(run.device) for g in range(pgm.stage, n_chunks, args.pp)]
-    stages = [PipelineStage(chunk, g, n_chunks, run.device, group=pgm.pp_group)
-              for chunk, g in zip(chunks, range(pgm.stage, n_chunks, args.pp))]
+                                seed=args.seed).to(run.device) for g in ids]
+    stages = [PipelineStage(chunk, g, n_chunks, run.device, group=pgm.pp_group) for chunk, g in zip(chunks, ids)]
     kind = TORCH_SCHEDULES[args.schedule]
-    several = args.schedule in ("interleaved", "zb1p")  # the schedules that take a list of stages
+    several = args.schedule in ("interleaved", "zb1p", "dualpipev")  # the schedules that take a list of stages
     schedule = kind(stages if several else stages[0], args.microbatches, loss_fn=model.lm_loss)
     params = [p for chunk in chunks for p in chunk.parameters()]
     return chunks, schedule, torch.optim.AdamW(params, lr=args.lr)
@@ -73,13 +82,10 @@ def torch_gradients(data, run, chunks, schedule, step):
     inputs, targets = data.get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
+    first = [inputs.to(run.device)] if any(chunk.first for chunk in chunks) else []
+    last = dict(target=targets.to(run.device), losses=[]) if any(chunk.last for chunk in chunks) else {}
     with plain_linear():
-        if chunks[0].first:
-            schedule.step(inputs.to(run.device))
-        elif any(chunk.last for chunk in chunks):
-            schedule.step(target=targets.to(run.device), losses=[])
-        else:
-            schedule.step()
+        schedule.step(*first, **last)
 
 
 def compare(run, chunks):

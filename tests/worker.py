@@ -123,15 +123,15 @@ class Scaler:
                 self.scale, self.clean, self.overflows = self.scale * 2, 0, 0
 
 
-def reference_half(args, out_case: Path):
-    """The whole model on one device in the run's half type, computed as a pipeline computes it: microbatch
-    by microbatch, each microbatch's loss scaled by S / m, its half gradients added into fp32 sums in
+def reference_microbatched(args, out_case: Path, file="reference.pt"):
+    """The whole model on one device in the run's type, computed as a pipeline computes it: microbatch
+    by microbatch, each microbatch's loss scaled by S / m, its gradients added into fp32 sums in
     microbatch order, the replicas' sums added in replica order and divided by dp; unscaled, skipped on
-    any inf or nan, clipped, then AdamW on fp32 master weights, cast back into the half weights."""
+    any inf or nan, clipped, then AdamW on fp32 master weights, cast back into the (half) weights."""
     import data
     import model
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     cfg = model.ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
     net = model.Transformer(cfg, seed=args.seed).to(dtype)
     params = dict(net.named_parameters())
@@ -174,8 +174,7 @@ def reference_half(args, out_case: Path):
             for n, p in params.items():
                 p.copy_(masters[n])
     weights = {n: p.detach().clone() for n, p in params.items()}
-    torch.save(dict(losses=losses, grads=grads, weights=weights, masters=masters, scales=scales),
-               out_case / "reference.pt")
+    torch.save(dict(losses=losses, grads=grads, weights=weights, masters=masters, scales=scales), out_case / file)
 
 
 def main(step_dir: str, out_dir: str, cases_json: str):
@@ -196,7 +195,9 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         if rank == 0:
             status(out, rank, f"[{' '.join(argv)}]: single-device reference")
             half = getattr(args, "precision", "fp32") != "fp32"
-            (reference_half if half else reference)(args, out_case)
+            (reference_microbatched if half else reference)(args, out_case)
+            if getattr(args, "schedule", None) == "dualpipev" and not half:  # bitwise against this one
+                reference_microbatched(args, out_case, "reference_microbatched.pt")
         dist.barrier()
     status(out, rank, "done")
     distributed.shutdown()

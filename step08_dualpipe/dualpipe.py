@@ -1,0 +1,272 @@
+"""DualPipe and DualPipeV (DeepSeek-V3, 2024; github.com/deepseek-ai/DualPipe): microbatches cross
+the pipeline in two directions at once, and a forward of one is paired with a backward of the other.
+
+DualPipe. p ranks (p even) hold the model twice: rank r holds stage r of the forward direction and
+stage p-1-r of the reverse direction. The first m/2 microbatches enter at rank 0 and flow down,
+the other m/2 enter at rank p-1 and flow up; rank p-1 computes the forward direction's loss, rank 0
+the reverse direction's. After the step the two copies of each stage, on ranks r and p-1-r, sum
+their gradients (sum_twin_gradients), so both take the same optimizer step and stay equal.
+
+DualPipeV ("cut in half"). p ranks hold 2p stages in a V: rank r holds stage r, going down, and
+stage 2p-1-r, coming back up. On the last rank the down stage's output is the up stage's input,
+with no message. Every microbatch enters and leaves at rank 0, which reads the tokens and computes
+the loss, and the model is held once.
+
+One table runs both. A rank calls phase 0 the model chunk a microbatch reaches on its way away
+from the rank's end of the pipeline, phase 1 the chunk it reaches on its way back. In DualPipeV
+that is chunk 0 and chunk 1 on every rank. In DualPipe, ranks 0..p/2-1 form a V of p/2 ranks (down
+the forward direction, back up the reverse one) and ranks p/2..p-1 its mirror image, where phase 0
+is the reverse direction; the V turns between the two middle ranks, across one message. Each phase
+repeats its pattern a number of times that depends on the rank's place i in its V of n ranks:
+
+    phase         what it does                                   DualPipeV      DualPipe
+                                                                 n=p, i=r, k=m  n=p/2, i=min(r,p-1-r), k=m/2
+    1 nF0         forwards of phase 0 fill the V below           2(n-i-1)
+    2 nF0F1       the first microbatches come back up            i+1
+    3 nB1W1F1     first backwards, each W at once (zero bubble)  n-i-1
+    4 nF0B1F1B0   steady state: F0 with B1, then F1 with B0      k-2n+i+1
+    5 nB1F1B0     the last forwards                              n-i-1
+    6 nB1B0       backwards only; from half-way, B without W     i+1
+    7 nWB0        the postponed W's fill the drain               n-i-1
+    8 nW          the W's left                                   i+1
+
+DualPipeV with p = 4 and m = 8 (and DualPipe with p = 8, m = 16, ranks r and 7-r):
+
+              nF0  nF0F1  nB1W1F1  nF0B1F1B0  nB1F1B0  nB1B0  nWB0  nW
+    rank 0     6     1       3         1         3       1      3    1
+    rank 1     4     2       2         2         2       2      2    2
+    rank 2     2     3       1         3         1       3      1    3
+    rank 3     0     4       0         4         0       4      0    4
+
+Communication, as DeepSeek's code does it: a transfer is queued when the schedule decides it, and
+all queued transfers are committed in one batch right before the next compute (p2p.py), so a
+forward's send and a backward's receive of the other direction travel together. Once a batch has
+completed, the outputs it sent are freed, keeping their autograd graph (stage.deallocate_output).
+"""
+from collections import deque
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("nF0", "nF0F1", "nB1W1F1", "nF0B1F1B0", "nB1F1B0", "nB1B0", "nWB0", "nW")
+
+
+def phase_counts(n: int, i: int, k: int) -> dict:
+    """How often each phase repeats at place i of a V of n ranks that k microbatches cross."""
+    below = n - i - 1  # ranks of the V below this one
+    return dict(nF0=2 * below, nF0F1=i + 1, nB1W1F1=below, nF0B1F1B0=k - 2 * n + i + 1,
+                nB1F1B0=below, nB1B0=i + 1, nWB0=below, nW=i + 1)
+
+
+def v_place(v_shape: bool, pp: int, rank: int, m: int):
+    """(n, i, k) of a rank: its V's ranks, its place in it, and the microbatches that cross it."""
+    return (pp, rank, m) if v_shape else (pp // 2, min(rank, pp - 1 - rank), m // 2)
+
+
+class TwoWayRank:
+    """One rank of DualPipe or DualPipeV: the verbs its phase table is written in.
+
+    Each chunk runs its forwards, and its backwards, in microbatch order, so a counter per chunk says
+    which microbatch is next. recv_forward, send_forward, recv_backward and send_backward queue a
+    transfer of phase 0 or 1; forward, backward, forward_backward and weight commit the queue first.
+    """
+
+    def __init__(self, stash, comm, v_shape: bool):
+        pp, rank, m = comm.num_stages, comm.stage, len(stash.microbatches)
+        self.stash, self.comm, self.stages = stash, comm, stash.stages
+        self.mirrored = not v_shape and rank >= pp // 2  # DualPipe's lower half: phase 0 goes up
+        self.v_turn = v_shape and rank == pp - 1  # chunk 0's output is chunk 1's input, with no message
+        self.first_mb = (0, 0) if v_shape else (0, m // 2)  # DualPipe: chunk 1 runs the reverse direction's
+        self.passes = {"F": [0, 0], "B": [0, 0]}  # forwards and backwards run so far, per chunk
+        self.inputs, self.output_grads = (deque(), deque()), (deque(), deque())  # per chunk, oldest first
+        self.outputs, self.input_grads = (deque(), deque()), (deque(), deque())  # computed, not yet queued
+        self.sent = []  # (chunk, mb) whose output travels in the next commit, then is freed
+        self.waiting_w = deque()  # (chunk, mb) of each B whose W waits in the store, oldest first
+
+    def chunk(self, phase: int) -> int:
+        return phase ^ self.mirrored
+
+    def peers(self, chunk: int):
+        """(rank this chunk's activations come from, rank they go to); gradients go the other way.
+        Chunk 0 flows down the ranks (DualPipe's forward direction, DualPipeV's left arm), chunk 1 up."""
+        down = (self.comm.prev_rank, self.comm.next_rank)
+        return down if chunk == 0 else down[::-1]
+
+    def receives_activation(self, chunk: int) -> bool:
+        """The chunk's input is a message: not the model's first stage (tokens), nor the V's turn."""
+        return not self.stages[chunk].is_first and not (self.v_turn and chunk == 1)
+
+    def sends_activation(self, chunk: int) -> bool:
+        """The chunk's output is a message: not the model's last stage (the loss), nor the V's turn."""
+        return not self.stages[chunk].is_last and not (self.v_turn and chunk == 0)
+
+    # Transfers, queued until the next commit. A gradient travels against its activation.
+    def recv_forward(self, phase: int):
+        chunk = self.chunk(phase)
+        if self.receives_activation(chunk):
+            self.inputs[chunk].append(self.comm.queue_recv(self.peers(chunk)[0], "activation"))
+
+    def send_forward(self, phase: int):
+        chunk = self.chunk(phase)
+        if self.sends_activation(chunk):
+            mb, out = self.outputs[chunk].popleft()
+            self.comm.queue_send(out, self.peers(chunk)[1], "activation")
+            self.sent.append((chunk, mb))
+
+    def recv_backward(self, phase: int):
+        chunk = self.chunk(phase)
+        if self.sends_activation(chunk):
+            self.output_grads[chunk].append(self.comm.queue_recv(self.peers(chunk)[1], "gradient"))
+
+    def send_backward(self, phase: int):
+        chunk = self.chunk(phase)
+        if self.receives_activation(chunk):
+            self.comm.queue_send(self.input_grads[chunk].popleft(), self.peers(chunk)[0], "gradient")
+
+    def commit(self):
+        """Post the queued transfers as one batch and wait; then free the outputs that went out."""
+        self.comm.commit()
+        for chunk, mb in self.sent:
+            self.stash.deallocate(mb, chunk)
+        self.sent.clear()
+
+    # Compute. Each runs the chunk's next microbatch.
+    def _forward(self, chunk: int):
+        mb = self.first_mb[chunk] + self.passes["F"][chunk]
+        self.passes["F"][chunk] += 1
+        out = self.stash.forward(mb, None if self.stages[chunk].is_first else self.inputs[chunk].popleft(), chunk)
+        if self.v_turn and chunk == 0:  # the V turns here: chunk 1's input is this output's values
+            self.inputs[1].append(out.detach())
+            self.stash.deallocate(mb, 0)  # so the output keeps only its graph, as if it had been sent
+        elif self.sends_activation(chunk):
+            self.outputs[chunk].append((mb, out))
+
+    def _backward(self, chunk: int, split: bool):
+        mb = self.first_mb[chunk] + self.passes["B"][chunk]
+        self.passes["B"][chunk] += 1
+        out_grad = None if self.stages[chunk].is_last else self.output_grads[chunk].popleft()
+        input_grad = self.stash.backward(mb, out_grad, chunk, split)
+        if split:
+            self.waiting_w.append((chunk, mb))
+        if self.v_turn and chunk == 1:  # the V turns back: chunk 0's output gradient, with no message
+            self.output_grads[0].append(input_grad)
+        elif self.receives_activation(chunk):
+            self.input_grads[chunk].append(input_grad)
+
+    def forward(self, phase: int, recv=True, send=True):
+        """F of the phase's next microbatch, with its transfers (DeepSeek's _forward_chunk)."""
+        if recv:
+            self.recv_forward(phase)
+        self.commit()
+        self._forward(self.chunk(phase))
+        if send:
+            self.send_forward(phase)
+
+    def backward(self, phase: int, split=False, recv=True, send=True):
+        """B of the phase's next microbatch; split: its W waits in the store (zero bubble)."""
+        if recv:
+            self.recv_backward(phase)
+        self.commit()
+        self._backward(self.chunk(phase), split)
+        if send:
+            self.send_backward(phase)
+
+    def forward_backward(self, phase0: int, phase1: int, recv0=True):
+        """F of phase0 and B of phase1, two different microbatches going opposite ways: one pair, whose
+        transfers go in the same batches. The stage's hook is where a GPU would overlap the two."""
+        if recv0:
+            self.recv_forward(phase0)
+        self.recv_backward(phase1)
+        self.commit()
+        chunk0, chunk1 = self.chunk(phase0), self.chunk(phase1)
+        self.stages[chunk0].overlapped_forward_backward(partial(self._forward, chunk0),
+                                                        partial(self._backward, chunk1, False))
+        self.send_forward(phase0)
+        self.send_backward(phase1)
+
+    def weight(self):
+        """W of the oldest split B (the WeightGradStore is a FIFO)."""
+        self.commit()
+        chunk, mb = self.waiting_w.popleft()
+        self.stash.backward_weights(mb, chunk)
+
+
+def eight_phases(rank: TwoWayRank, n: int, i: int, k: int):
+    """The phase table, in the order DeepSeek's DualPipe and DualPipeV run it.
+
+    The V's turn (DualPipeV's last rank, DualPipe's two middle ranks) sends its newest phase-0
+    output at once in phase 2 and splits phase 4's first pair, so that the turn's microbatch can
+    start back up before this rank's next forward.
+    """
+    count = phase_counts(n, i, k)
+    turn = i == n - 1
+    for _ in range(count["nF0"]):
+        rank.forward(0)
+
+    rank.recv_forward(0)
+    for j in range(count["nF0F1"]):
+        rank.forward(0, recv=False, send=turn)
+        rank.recv_forward(0)
+        rank.forward(1, send=not turn or j < count["nF0F1"] - 1)
+        if not turn:
+            rank.send_forward(0)
+
+    for _ in range(count["nB1W1F1"]):
+        rank.backward(1, split=True)
+        rank.recv_forward(1)
+        rank.weight()
+        rank.forward(1, recv=False)
+
+    for j in range(count["nF0B1F1B0"]):
+        if j == 0 and turn:  # not paired: B1 can start as soon as F0 is done
+            rank.forward(0, recv=False, send=False)
+            rank.send_forward(1)
+            rank.backward(1, send=False)
+            rank.send_forward(0)
+            rank.send_backward(1)
+        else:
+            rank.forward_backward(0, 1, recv0=j > 0)
+        rank.forward_backward(1, 0)
+
+    for _ in range(count["nB1F1B0"]):
+        rank.backward(1)
+        rank.forward_backward(1, 0)
+
+    split = False  # from half-way through phase 6 every B leaves its W for phases 7 and 8
+    for j in range(count["nB1B0"]):
+        split = split or (j == count["nB1B0"] // 2 and i % 2 == 1)
+        rank.backward(1, split=split)
+        split = split or (j == count["nB1B0"] // 2 and i % 2 == 0)
+        rank.backward(0, split=split)
+
+    for _ in range(count["nWB0"]):
+        rank.weight()
+        rank.backward(0, split=True)
+
+    for _ in range(count["nW"]):
+        rank.weight()
+    rank.commit()
+    assert not rank.waiting_w, "every W of the step has run"
+
+
+def run_two_way(stash, comm, v_shape: bool):
+    """One step of DualPipeV (v_shape) or DualPipe on this rank; returns the rank's share of the loss."""
+    rank = TwoWayRank(stash, comm, v_shape)
+    eight_phases(rank, *v_place(v_shape, comm.num_stages, comm.stage, len(stash.microbatches)))
+    return stash.loss
+
+
+def sum_twin_gradients(named_grads: dict, group, timeline):
+    """DualPipe: all-reduce (sum) each stage's gradients between its two copies, on ranks r and p-1-r.
+
+    Each copy summed the gradients of one direction's microbatches; the sum is the whole batch's.
+    Both ranks hold the same parameter names, so sorted by name their flat buffers line up."""
+    grads = [g for _, g in sorted(named_grads.items())]
+    with timeline.span("allreduce", what="twin stage gradients"):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
