@@ -31,9 +31,11 @@ CASES = [
     *[case("step03_afab", pp * dp, "--pp", str(pp), "--dp", str(dp), "--layers", "4", "--microbatches", str(m))
       for pp, dp in [(2, 1), (4, 1), (2, 2), (1, 2)] for m in (1, 4)],
     case("step03_afab", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2", "--recompute"),
-    *[case("step04_1f1b", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), "--p2p", p2p, *dealloc)
-      for pp in (2, 3, 4) for m in (1, 2, 4, 8) for p2p in ("batched", "ordered")
-      for dealloc in ([], ["--deallocate"])],
+    # Every (pp, m) with both orderings; --deallocate goes with one or the other, alternating, so that every
+    # pair of (ordering, deallocation) is met too.
+    *[case("step04_1f1b", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), "--p2p", p2p,
+           *(["--deallocate"] if (p2p == "ordered") == ((pp + m) % 2 == 0) else []))
+      for pp in (2, 3, 4) for m in (1, 2, 4, 8) for p2p in ("batched", "ordered")],
     *[case("step04_1f1b", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", str(m), *extra)
       for m, extra in [(2, []), (4, ["--p2p", "ordered", "--deallocate"]), (4, ["--schedule", "afab"]),
                        (2, ["--recompute"])]],

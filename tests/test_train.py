@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -222,16 +223,15 @@ def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
 
 STALLS = [(step, layout) for step in STEPS for layout in (["--pp", "2"], ["--pp", "1", "--dp", "2"], ["--tp", "2"])
           if layout == ["--pp", "2"] or step >= "step03" and layout[-2] == "--dp" or step >= "step06"]
+STALL_TIMEOUT, STALLS_AT_ONCE = 4, 3
 
 
-@pytest.mark.parametrize("step, layout", STALLS, ids=[f"{s}:{' '.join(f)}" for s, f in STALLS])
-def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, step_dirs, tmp_path):
-    """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for.
-    With --dp 2 rank 0 waits in the data-parallel group's all-reduce, with --tp 2 in a tensor-parallel
-    all-reduce inside a forward or backward: every group needs the timeout."""
-    timeout, log = 4, tmp_path / "log.jsonl"
-    cmd = [sys.executable, str(step_dirs[step] / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "2",
-           "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(timeout), "--log-json", str(log),
+def stall(step_dir, layout, folder):
+    """Start two ranks, stop rank 1 once two steps are logged; return (rank 0's exit code, its stderr,
+    seconds from the stop to rank 0's exit)."""
+    log = folder / "log.jsonl"
+    cmd = [sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "2",
+           "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(STALL_TIMEOUT), "--log-json", str(log),
            *layout]
     port = free_port()
     ranks = [subprocess.Popen(cmd, cwd=REPO, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
@@ -242,13 +242,32 @@ def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, step_dirs, tmp_
             time.sleep(0.05)
         ranks[1].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        _, err = ranks[0].communicate(timeout=timeout + 30)
-        waited = time.monotonic() - stopped
+        _, err = ranks[0].communicate(timeout=STALL_TIMEOUT + 30)
+        return ranks[0].returncode, err, time.monotonic() - stopped
     finally:
         for p in ranks:
             p.kill()
             p.wait()
-    assert ranks[0].returncode != 0, err
-    assert waited < timeout + 20, f"rank 0 took {waited:.0f} s to give up, with --timeout {timeout}"
+
+
+@pytest.fixture(scope="module")
+def stalled_runs(step_dirs, tmp_path_factory):
+    """{(step, layout): stall(...)} for every STALLS case. A stalled run spends most of its time waiting out
+    --timeout, so STALLS_AT_ONCE of them run side by side (each pair of ranks starts together, so their
+    start-up is slowed alike and their own rendezvous is not)."""
+    with ThreadPoolExecutor(STALLS_AT_ONCE) as pool:
+        futures = {(step, tuple(layout)): pool.submit(stall, step_dirs[step], layout, tmp_path_factory.mktemp(step))
+                   for step, layout in STALLS}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.mark.parametrize("step, layout", STALLS, ids=[f"{s}:{' '.join(f)}" for s, f in STALLS])
+def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, stalled_runs):
+    """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for.
+    With --dp 2 rank 0 waits in the data-parallel group's all-reduce, with --tp 2 in a tensor-parallel
+    all-reduce inside a forward or backward: every group needs the timeout."""
+    returncode, err, waited = stalled_runs[step, tuple(layout)]
+    assert returncode != 0, err
+    assert waited < STALL_TIMEOUT + 20, f"rank 0 took {waited:.0f} s to give up, with --timeout {STALL_TIMEOUT}"
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: rank 0") and "(--timeout 4 s)" in last, err[-2000:]
+    assert last.startswith("error: rank 0") and f"(--timeout {STALL_TIMEOUT} s)" in last, err[-2000:]

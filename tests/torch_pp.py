@@ -17,7 +17,9 @@ bitwise equal (and the largest difference). Our last stage seeds its backward wi
 both are exact scalings, so the gradients can be bitwise equal.
 
 bench: ROUNDS rounds, each one training step of ours and one of torch's, in
-alternating order, each timed between barriers; rank 0 writes the step times.
+alternating order, each timed between barriers; rank 0 writes the step times, and
+whether the gradients of the uncounted first round (the same batch and weights for
+both) were bitwise equal, as in grads.
 Ours is train.py's step as it runs after the first step (timeline on, meter off).
 """
 import json
@@ -125,7 +127,7 @@ def main(step_dir, mode, out, *rest):
             torch_gradients(data, run, chunks, schedule, step)
             optimizer.step()
 
-        times = {"ours": [], "torch": []}
+        times, first_round = {"ours": [], "torch": []}, [None] * dist.get_world_size()
         for r in range(rounds + 1):  # round 0 warms both up and is not counted
             for name in (["ours", "torch"] if r % 2 else ["torch", "ours"]):
                 dist.barrier()
@@ -134,8 +136,10 @@ def main(step_dir, mode, out, *rest):
                 dist.barrier()
                 if r:
                     times[name].append(time.perf_counter() - start)
+            if r == 0:  # both took one step from the same weights on the same batch: their gradients are still there
+                dist.all_gather_object(first_round, compare(run, chunks))
         if dist.get_rank() == 0:
-            json.dump(dict(schedule=args.schedule, **times), open(out, "w"))
+            json.dump(dict(schedule=args.schedule, first_round=first_round, **times), open(out, "w"))
     dist.barrier()
     dist.destroy_process_group()
 
