@@ -40,8 +40,8 @@ DualPipeV with p = 4 and m = 8 (and DualPipe with p = 8, m = 16, ranks r and 7-r
 
 Communication, as DeepSeek's code does it: a transfer is queued when the schedule decides it, and
 all queued transfers are committed in one batch right before the next compute (p2p.py), so a
-forward's send and a backward's receive of the other direction travel together. Once a batch has
-completed, the outputs it sent are freed, keeping their autograd graph (stage.deallocate_output).
+forward's send and a backward's receive of the other direction travel together. Once a batch is
+posted, the outputs it sends are freed, keeping their autograd graph (stage.deallocate_output).
 """
 from collections import deque
 from functools import partial
@@ -125,7 +125,8 @@ class TwoWayRank:
             self.comm.queue_send(self.input_grads[chunk].popleft(), self.peers(chunk)[0], "gradient")
 
     def commit(self):
-        """Post the queued transfers as one batch and wait; then free the outputs that went out."""
+        """Post the queued transfers as one batch; then free the outputs that went out (the send in
+        flight holds their values until the peer has them)."""
         self.comm.commit()
         for chunk, mb in self.sent:
             self.stash.deallocate(mb, chunk)

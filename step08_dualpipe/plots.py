@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 
 from timeline import busy_fractions, measured_steps
 
@@ -28,6 +28,7 @@ COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:gre
           "tp allreduce": "black", "tp allgather": "tab:gray"}  # TP boxes sit inside forwards and backwards
 COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather")
 COMPUTE_HEIGHT, COMM_HEIGHT = 0.7, 0.25  # communication boxes are drawn thin: mostly waiting
+PAIR = "F&B"  # step 08: DualPipe's forward-and-backward pair, drawn as a bracket around its two boxes
 CHUNK_SHADE = 0.6  # how much lighter the last model chunk of a rank is drawn than the first
 
 
@@ -99,6 +100,10 @@ def draw_timeline(events, step: int, ax=None, title=None):
     char_ms = span_ms / 130  # about one character of a 7-point label on an 11-inch-wide figure
     for e in step_events:
         start_ms, width_ms = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
+        if e["kind"] == PAIR:
+            ax.add_patch(Rectangle((start_ms, e["rank"] - 0.45), width_ms, 0.9, fill=False, edgecolor="black",
+                                   linewidth=1.0, zorder=5))
+            continue
         height = COMM_HEIGHT if e["kind"] in COMMUNICATION else COMPUTE_HEIGHT
         color, shade = chunk_color(e["kind"], e["chunk"], chunks)
         ax.broken_barh([(start_ms, width_ms)], (e["rank"] - height / 2, height),
@@ -114,6 +119,8 @@ def draw_timeline(events, step: int, ax=None, title=None):
     ax.set_xlabel(f"time since the start of step {step} (ms)")
     kinds = [k for k in COLORS if any(e["kind"] == k for e in step_events)]
     handles = [Patch(color=COLORS[k], label=k) for k in kinds]
+    if any(e["kind"] == PAIR for e in step_events):
+        handles.append(Patch(fill=False, edgecolor="black", label="F&B pair"))
     if chunks > 1:
         handles += [Patch(color=chunk_color("forward", c, chunks)[0], label=f"chunk {c} (label {c}:mb)")
                     for c in range(chunks)]

@@ -1,12 +1,15 @@
-"""Step 08 - the B/W split: input gradients now, weight gradients later, and the zero-bubble schedule ZB-H1.
+"""Step 08 - the B/W split: input gradients now, weight gradients later; ZB-H1, DualPipe and DualPipeV.
 
     torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule zb1p
+    torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule dualpipev
 
 A stage's backward runs in two parts: B, the gradient of its input, which the
 previous stage waits for, and W, its Linear weights' gradients, which wait in a
 FIFO store (weight_grad_store.py) until the schedule finds idle time for them.
---schedule zb1p runs 1F1B with stage s postponing s W's; the other schedules run
-each backward whole, as in step 07.
+--schedule zb1p runs 1F1B with stage s postponing s W's. --schedule dualpipe and
+dualpipev (dualpipe.py, DeepSeek-V3) send microbatches through the pipeline in two
+directions and pair a forward of one with a backward of the other. The other
+schedules run each backward whole, as in step 07.
 """
 import json
 import math
