@@ -20,7 +20,8 @@ nothing split (every backward whole); the phase check on a table with two phases
 from fractions import Fraction
 
 import formulas
-from replay import FakeDist, check_consumed, check_weight_order, ideal_idle, is_split, match
+from ideal import ideal_idle, is_split
+from replay import FakeDist, check_consumed, check_weight_order, match
 
 TWO_WAY = {"dualpipe": (2, 4, 6, 8), "dualpipev": tuple(range(1, 9))}
 EXTRA_M = 12
