@@ -158,10 +158,11 @@ def train_step(run, step: int) -> dict:
 def gather_peaks(run) -> dict:
     """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
     peaks = [None] * dist.get_world_size()
+    params = sum(p.numel() * p.element_size() for p in run.model.parameters())  # step 08: DualPipe holds 2x
     dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches))
+                                   run.meter.peak_stored_microbatches, params))
     return dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                peak_stored_microbatches=[p[2] for p in peaks])
+                peak_stored_microbatches=[p[2] for p in peaks], param_bytes=[p[3] for p in peaks])
 
 
 def memory_report(args, record):
@@ -172,6 +173,8 @@ def memory_report(args, record):
         _, expected = peak_stored_microbatches(args, rank // (args.dp * args.tp))
         lines.append(f"  rank {rank} ({describe_rank(rank, args.dp, args.tp)}): {count} (formula {expected}), "
                      f"{size / 2**20:.2f} MiB")
+    twice = " (dualpipe: each pipeline holds every stage twice)" if args.schedule == "dualpipe" else ""
+    lines.append(f"parameters per rank{twice}, MiB: " + " ".join(f"{b / 2**20:.2f}" for b in record["param_bytes"]))
     return lines
 
 

@@ -223,6 +223,7 @@ def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
 
 STALLS = [(step, layout) for step in STEPS for layout in (["--pp", "2"], ["--pp", "1", "--dp", "2"], ["--tp", "2"])
           if layout == ["--pp", "2"] or step >= "step03" and layout[-2] == "--dp" or step >= "step06"]
+STALLS += [(step, ["--pp", "2", "--schedule", "dualpipev", "--layers", "4"]) for step in STEPS if step >= "step08"]
 STALL_TIMEOUT, STALLS_AT_ONCE = 4, 3
 
 
@@ -238,7 +239,8 @@ def stall(step_dir, layout, folder):
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
         deadline = time.monotonic() + 60
-        while not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        while not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline \
+                and ranks[0].poll() is None:  # a rank that failed early ends the wait
             time.sleep(0.05)
         ranks[1].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
