@@ -23,6 +23,10 @@ postpones s W's, which fill the gaps where 1F1B waits for a gradient: the
 bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute time,
 while every stage holds at most p microbatches, 1F1B's first-stage peak.
 
+DualPipe and DualPipeV (step 08, DeepSeek-V3) send microbatches both ways and
+run one eight-phase table, in dualpipe.py; their entries below hand it a Stash,
+and model_chunks says which chunks of the model each rank holds.
+
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
 """

@@ -30,9 +30,10 @@ PATTERNS = [["F0"], ["F0", "F1"], ["B1", "W", "F1"], ["F0", "B1", "F1", "B0"], [
 # Pass times (F, B, W) for which the replayed order idles exactly (PP/2-1)(F+B-W) on every rank, for
 # every configuration here. It stops being exact where B is well above F with many stages: with
 # F:B:W = 1:1.2:0.6 DualPipeV at p = 7 and 8 idles 1/5 more (notebook 08 shows it).
+HALF = Fraction(1, 2)
 TIMES = [dict(zip("FBW", map(Fraction, t))) for t in
-         [(1, 1, 1), (1, 1, 0), (1, 1, Fraction(1, 2)), (Fraction(6, 5), 1, Fraction(1, 2)),
-          (Fraction(3, 2), 1, Fraction(1, 2)), (1, Fraction(11, 10), Fraction(1, 2)), (1, Fraction(4, 5), Fraction(1, 2))]]
+         [(1, 1, 1), (1, 1, 0), (1, 1, HALF), (Fraction(6, 5), 1, HALF), (Fraction(3, 2), 1, HALF),
+          (1, Fraction(11, 10), HALF), (1, Fraction(4, 5), HALF)]]
 
 
 def place(name, pp, rank):
