@@ -16,6 +16,7 @@ import torch
 from data import DEFAULT_CORPUS_BYTES
 from distributed import world_from_env
 from p2p import ORDERINGS
+from pipedream import SCHEDULES as PIPEDREAM
 from schedule import SCHEDULES
 
 
@@ -31,7 +32,12 @@ def build_parser(description=None):
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (m)")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each stage's input and recompute its forward during backward")
-    p.add_argument("--schedule", default="1f1b", help="afab | 1f1b")
+    p.add_argument("--schedule", default="1f1b",
+                   help="afab | 1f1b | pipedream | pipedream-2bw (the last two never flush: pipedream.py)")
+    p.add_argument("--vertical-sync", action="store_true",
+                   help="pipedream: every stage runs a microbatch on the weight version stage 0 used")
+    p.add_argument("--no-weight-stashing", action="store_true",
+                   help="pipedream: backwards read the live weights, changed since their forward (a foil)")
     p.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
     p.add_argument("--deallocate", action="store_true",
                    help="free each output's storage once it is sent, keeping its autograd graph")
@@ -91,10 +97,30 @@ def check_model(args):
 
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
-    if args.schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule {args.schedule} is unknown: use {' or '.join(SCHEDULES)}")
+    if args.schedule not in (*SCHEDULES, *PIPEDREAM):
+        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *PIPEDREAM))}")
     if args.p2p not in ORDERINGS:
         raise ConfigError(f"--p2p {args.p2p} is unknown: use {' or '.join(ORDERINGS)}")
+
+
+def check_pipedream(args):
+    """PipeDream's flags, and runs long enough for the version counts its report states."""
+    for flag, on in (("--vertical-sync", args.vertical_sync), ("--no-weight-stashing", args.no_weight_stashing)):
+        if on and args.schedule != "pipedream":
+            raise ConfigError(f"{flag} needs --schedule pipedream, not {args.schedule}")
+    if args.vertical_sync and args.no_weight_stashing:
+        raise ConfigError("--vertical-sync runs microbatches on versions older than the live weights, which "
+                          "only weight stashing keeps: drop --no-weight-stashing")
+    n, least = args.steps * args.microbatches, 2 * (args.pp - 1)
+    if args.schedule == "pipedream" and n < least:
+        raise ConfigError(f"--steps {args.steps} x --microbatches {args.microbatches} = {n} must be at least "
+                          f"2 x (--pp {args.pp} - 1) = {least} for pipedream: in a shorter run stage 0 never "
+                          "reaches the steady state whose versions it reports")
+    if args.schedule == "pipedream-2bw" and args.microbatches < args.pp - 1:
+        raise ConfigError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} - 1 for "
+                          "pipedream-2bw: stage 0 makes W(t+1) after the last backward of batch t, which follows "
+                          "its forward p-2 microbatches into batch t+1; batch t+2 runs on W(t+1), so it must "
+                          "start after that")
 
 
 def check_files(args):
@@ -131,6 +157,7 @@ def check_config(args, world_size: int, cuda_available: bool):
                           f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
                           "replica holds the same number of sequences")
     check_schedule(args)
+    check_pipedream(args)
     check_device(args.device, cuda_available)
     check_model(args)
     check_files(args)

@@ -38,16 +38,19 @@ def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:
 
 
 class Stash:
-    """What one rank keeps between a microbatch's forward and its backward, and the summed loss.
+    """What one rank keeps between a microbatch's forward and its backward, and the losses.
 
     stages: this rank's model chunks (one until step 05). comm: the PipelineComm whose receive buffers the
-    stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
+    stash hands back after each backward. microbatches: [(tokens, targets)] of this replica. per_update:
+    how many microbatches' mean loss one optimizer step follows: all of them (the default), or fewer
+    when PipeDream runs a whole training run through one stash (pipedream.py).
     """
 
-    def __init__(self, stages, comm, microbatches):
+    def __init__(self, stages, comm, microbatches, per_update=None):
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
+        self.per_update = per_update or len(microbatches)
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
-        self.loss_sum = None  # last stage only
+        self.losses = []  # last stage only: each microbatch's mean loss, in microbatch order
 
     def forward(self, mb, x, chunk=0):
         """x is the received activation; the model's first stage reads tokens instead (x is None)."""
@@ -56,7 +59,7 @@ class Stash:
         x = tokens if stage.is_first else x
         out = stage.forward(mb, x, target)
         if stage.is_last:
-            self.loss_sum = out.detach() if self.loss_sum is None else self.loss_sum + out.detach()
+            self.losses.append(out.detach())
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
         self.kept[chunk, mb] = (x, None if stage.recompute else out)
         return out
@@ -68,8 +71,8 @@ class Stash:
         received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
         if stage.recompute:
             x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
-        if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
-            out_grad = torch.full_like(out, 1 / len(self.microbatches))
+        if stage.is_last:  # d(mean loss of the update's microbatches) / d(microbatch mean loss)
+            out_grad = torch.full_like(out, 1 / self.per_update)
         input_grad = stage.backward(mb, x, out, out_grad)
         self.comm.recycle(*received)
         return input_grad
@@ -83,7 +86,7 @@ class Stash:
     @property
     def loss(self):
         """The batch's mean loss on the rank that holds the model's last stage, else None."""
-        return None if self.loss_sum is None else self.loss_sum / len(self.microbatches)
+        return sum(self.losses) / len(self.microbatches) if self.losses else None
 
 
 def afab_forward_backward(stages, comm, microbatches):
@@ -99,9 +102,10 @@ def afab_forward_backward(stages, comm, microbatches):
 
 
 
-def one_f_one_b_forward_backward(stages, comm, microbatches):
-    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
-    stash = Stash(stages, comm, microbatches)
+def one_f_one_b_forward_backward(stages, comm, microbatches, stash=None):
+    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards.
+    stash: PipeDream brings its own (pipedream.py), for a run that is one 1F1B pass."""
+    stash = stash or Stash(stages, comm, microbatches)
     m = len(microbatches)
     warmup = warmup_microbatches(comm.num_stages, comm.stage, m)
     steady = m - warmup

@@ -19,12 +19,17 @@ sent to the next stage its values are dropped: only its autograd node is needed
 for the backward, since the next stage returns d(loss)/d(output) and the last
 operation of a stage (a residual add) saves nothing of its own output.
 
+With versions (PipeDream, pipedream.py) the stage runs each microbatch on the
+weight version that WeightVersions hands it, through torch.func.functional_call,
+and tells it when the backward is done, so that it can update the live weights.
+
 `chunk` numbers this rank's model chunks; it stays 0 until step 05 gives a rank
 several. The timeline and the activation meter only watch: leave them out and
 the stage computes the same.
 """
 import torch
 from torch.autograd import Variable
+from torch.func import functional_call
 
 from memory import ActivationMeter
 from model import lm_loss
@@ -46,36 +51,41 @@ def custom_backward(out, grad):
 
 
 class PipelineStage:
-    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None):
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None,
+                 versions=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
         self.timeline = timeline or Timeline(enabled=False)
         self.meter = meter or ActivationMeter(enabled=False)
+        self.versions = versions  # PipeDream's WeightVersions, else None: the model's own weights
 
-    def _run(self, x, target):
-        out = self.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
+    def _run(self, x, target, weights=None):
+        # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
+        out = self.model(x) if weights is None else functional_call(self.model, weights, (x,))
         return lm_loss(out, target) if self.is_last else out
 
     def forward(self, mb, x, target):
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
+        weights = self.versions.forward(mb) if self.versions else None
         with self.timeline.span("forward", mb, chunk=self.chunk):
             if self.recompute:
                 self.meter.keep(key, x)  # only the input is stored
                 with torch.no_grad():
-                    return self._run(x, target)
+                    return self._run(x, target, weights)
             if not self.is_first:
                 x.requires_grad_()  # we need d(loss)/d(input) to send back
-            with self.meter.saving(key):
-                out = self._run(x, target)
+            with self.meter.saving(key, weights):
+                out = self._run(x, target, weights)
             self.meter.keep(key, out)  # the schedule holds the output until the backward
             return out
 
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
-        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb)), \
+        weights = self.versions.weights(mb) if self.versions else None  # the version the forward ran on
+        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
                 torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
-            return x, self._run(x, target)
+            return x, self._run(x, target, weights)
 
     def deallocate_output(self, mb, out):
         """The output has been sent: free its storage (with --deallocate), keep its autograd graph."""
@@ -87,5 +97,7 @@ class PipelineStage:
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0)."""
         with self.timeline.span("backward", mb, chunk=self.chunk):
             custom_backward(out, out_grad)
+            if self.versions:  # PipeDream: the gradient goes to the live weights, maybe an update (timed as B)
+                self.versions.backward_done(mb)
         self.meter.release((self.chunk, mb))
         return None if self.is_first else x.grad

@@ -5,7 +5,7 @@
 The model is cut into pp * v chunks; rank r holds chunks r, r + pp, r + 2 pp, ...
 Each microbatch goes round the ring of ranks v times, and the interleaved
 schedule keeps every rank busy with a different chunk while the pipeline fills.
---virtual-stages 1 runs step 04's schedules (1f1b or afab) on the same code.
+--virtual-stages 1 runs step 04's schedules (1f1b, afab, pipedream) on the same code.
 """
 import json
 import time
@@ -21,9 +21,11 @@ from distributed import init_distributed, one_line_errors, peak_memory_bytes, re
 from model import ModelConfig, Transformer, split_layers
 from data_parallel import average_gradients
 from memory import ActivationMeter
+import pipedream
+import schedule
 from p2p import PipelineComm
+from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
 from process_groups import ProcessGroupManager, describe_rank
-from schedule import SCHEDULES, bubble_formula, peak_stored_microbatches
 from stage import PipelineStage, VirtualStages
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
 
@@ -67,8 +69,13 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
+    versions = None
+    if args.schedule in pipedream.SCHEDULES:  # the stage steps as it goes, on the versions it keeps
+        versions = WeightVersions(model, optimizer, args.steps * args.microbatches, version_rule(args),
+                                  updates_every(args), not args.no_weight_stashing,
+                                  partial(average_gradients, model, pgm, timeline))
     stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
-                            timeline=timeline, meter=meter) for c, chunk in enumerate(model)]
+                            timeline=timeline, meter=meter, versions=versions) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
@@ -98,7 +105,7 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
     run.comm.begin_step()
-    loss = SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    loss = schedule.SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
@@ -113,12 +120,17 @@ def instrument(run, step: int):
     run.meter.enabled = step == run.args.steps - 1
 
 
-def train_step(run, step: int) -> dict:
-    """One optimizer step. While the timeline records, all ranks start it together, from a barrier."""
+def start_recording(run, step: int):
+    """While the timeline records, all ranks start a step together, from a barrier."""
     reset_peak_memory(run.device)
     if run.timeline.enabled:
         dist.barrier()
     run.timeline.start_step(step)
+
+
+def train_step(run, step: int) -> dict:
+    """One optimizer step."""
+    start_recording(run, step)
     start = time.perf_counter()
     loss = compute_gradients(run, step)
     run.optimizer.step()
@@ -128,23 +140,73 @@ def train_step(run, step: int) -> dict:
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
 
 
+def flushed_steps(run):
+    """One step per batch: its m microbatches through the pipeline, drained, then the optimizer."""
+    for step in range(run.args.steps):
+        instrument(run, step)
+        yield train_step(run, step)
+
+
+def pipedream_steps(run) -> list:
+    """PipeDream: the whole run is one 1F1B pass over its steps x m microbatches, recorded as one step,
+    and the stages update as they go. Afterwards, one record per m microbatches: their mean loss, and
+    the run's time shared out evenly, since no rank stops between them."""
+    args, m = run.args, run.args.microbatches
+    batches = [get_batch(run.tokens, step, args.batch_size, args.seq_len, args.seed) for step in range(args.steps)]
+    microbatches = [mb for inputs, targets in batches for mb in replica_microbatches(run, inputs, targets)]
+    run.timeline.enabled = run.meter.enabled = True
+    start_recording(run, 0)
+    start = time.perf_counter()
+    run.comm.begin_step()
+    losses = pipedream_forward_backward(run.stages, run.comm, microbatches, updates_every(args))
+    run.comm.finish_sends()
+    elapsed = time.perf_counter() - start
+    run.timeline.end_step()
+    tokens = args.batch_size * args.seq_len
+    return [dict(step=step, loss=share_loss(run, sum(losses[step * m:(step + 1) * m]) / m if losses else None),
+                 step_time_s=elapsed / args.steps, tokens_per_s=tokens * args.steps / elapsed)
+            for step in range(args.steps)]
+
+
 def gather_peaks(run) -> dict:
     """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
+    versions = run.stages[0].versions
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches))
-    return dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                peak_stored_microbatches=[p[2] for p in peaks])
+                                   run.meter.peak_stored_microbatches,
+                                   (versions.peak_versions, versions.version_bytes) if versions else None))
+    record = dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
+                  peak_stored_microbatches=[p[2] for p in peaks])
+    if versions:  # PipeDream: weight versions held at once (the live one included), and the bytes of one
+        record.update(peak_weight_versions=[p[3][0] for p in peaks], version_bytes=[p[3][1] for p in peaks])
+    return record
+
+
+def formulas(args):
+    """The module whose formulas describe this run: pipedream's for a run with no flush, else schedule's."""
+    return pipedream if args.schedule in pipedream.SCHEDULES else schedule
 
 
 def memory_report(args, record):
     """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
+    peak_stored_microbatches = formulas(args).peak_stored_microbatches
     text, _ = peak_stored_microbatches(args, 0)
     lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
         _, expected = peak_stored_microbatches(args, rank // args.dp)
         lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
                      f"{size / 2**20:.2f} MiB")
+    return lines + (versions_report(args, record) if "peak_weight_versions" in record else [])
+
+
+def versions_report(args, record):
+    """PipeDream: each rank's peak of weight versions held, beside its formula, and what the extra ones cost."""
+    text, _ = pipedream.peak_versions(args, 0)
+    lines = [f"weight versions, {args.schedule}: peak held (the live one included), measured vs formula {text}"]
+    for rank, (count, size) in enumerate(zip(record["peak_weight_versions"], record["version_bytes"])):
+        _, expected = pipedream.peak_versions(args, rank // args.dp)
+        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
+                     f"{count - 1} stashed x {size / 2**20:.2f} MiB = {(count - 1) * size / 2**20:.2f} MiB")
     return lines
 
 
@@ -154,7 +216,7 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    text, value = bubble_formula(run.args)
+    text, value = formulas(run.args).bubble_formula(run.args)
     label = partial(describe_rank, dp=run.args.dp)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
     if run.args.trace:
@@ -166,9 +228,8 @@ def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
-    for step in range(args.steps):
-        instrument(run, step)
-        record = train_step(run, step)
+    records = pipedream_steps(run) if args.schedule in pipedream.SCHEDULES else flushed_steps(run)
+    for step, record in enumerate(records):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
         if dist.get_rank() == 0:

@@ -5,6 +5,7 @@
 train.py prints `bubble_formula(args)` and `peak_stored_microbatches(args, stage)`, each a (text, value)
 pair from one function; this imports those functions from the step and compares their values. Step 08's
 zb1p, dualpipe and dualpipev formulas also take the measured F, B and W times; they are checked for several.
+PipeDream's (step 04 on) come from the step's pipedream.py, with its peak_versions, over run lengths and flags.
 """
 import importlib
 import json
@@ -16,6 +17,7 @@ import formulas
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
 TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5)]  # (F, B, W) for step 08's split schedules
 SPLIT = ("zb1p", "dualpipe", "dualpipev")
+PIPEDREAM_FLAGS = [[], ["--vertical-sync"], ["--no-weight-stashing"], ["--steps", "1"], ["--steps", "3"]]
 
 
 def configurations(parser):
@@ -30,7 +32,8 @@ def configurations(parser):
                     flags += ["--microbatches", str(m), "--batch-size", str(m)] if "microbatches" in options else []
                     flags += ["--schedule", schedule] if schedule else []
                     flags += ["--virtual-stages", str(v)] if v > 1 else []
-                    yield schedule, pp, m, v, flags
+                    for extra in PIPEDREAM_FLAGS if schedule and schedule.startswith("pipedream") else [[]]:
+                        yield schedule, pp, m, v, flags + extra
 
 
 def main(step_dir):
@@ -48,6 +51,9 @@ def main(step_dir):
             continue
         count += 1
         name = schedule or ("afab" if module.__name__ == "schedule" else default)
+        if name.startswith("pipedream"):
+            problems += pipedream_problems(importlib.import_module("pipedream"), args, f"{' '.join(flags)}")
+            continue
         for times in TIMES if name in SPLIT else [None]:  # their bubbles depend on the F, B, W times
             text, value = module.bubble_formula(args, *[times] if times else [])
             expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1))
@@ -59,6 +65,23 @@ def main(step_dir):
                 problems.append(f"{name} pp={pp} m={m} v={v} stage {stage}: peak stored {text} = {value}, "
                                 f"expected {formulas.peak_stored(name, pp, stage, m, v)}")
     print(json.dumps(dict(configurations=count, problems=problems[:50])))
+
+
+def pipedream_problems(pipedream, args, label):
+    """PipeDream's three formulas: the run's one fill and drain, 1F1B's activations over the run, versions."""
+    problems, n = [], args.steps * args.microbatches
+    text, value = pipedream.bubble_formula(args)
+    if abs(value - formulas.pipedream_bubble(args.pp, args.microbatches, args.steps)) > 1e-12:
+        problems.append(f"{label}: bubble {text} = {value}")
+    for stage in range(args.pp):
+        text, value = pipedream.peak_stored_microbatches(args, stage)
+        if value != formulas.peak_stored(args.schedule, args.pp, stage, n):
+            problems.append(f"{label} stage {stage}: peak stored {text} = {value}")
+        text, value = pipedream.peak_versions(args, stage)
+        if value != formulas.peak_versions(args.schedule, args.vertical_sync, args.pp, stage, args.steps,
+                                           not args.no_weight_stashing):
+            problems.append(f"{label} stage {stage}: peak versions {text} = {value}")
+    return problems
 
 
 if __name__ == "__main__":

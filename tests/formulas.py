@@ -22,6 +22,25 @@ def bubble(schedule: str, pp: int, m: int, virtual: int = 1, times=None) -> floa
     return (pp - 1) / (slots + pp - 1)
 
 
+def pipedream_bubble(pp: int, m: int, steps: int) -> float:
+    """PipeDream and 2BW never flush: one fill and one drain of p-1 slots beside the run's steps x m."""
+    return bubble("1f1b", pp, steps * m)
+
+
+def peak_versions(schedule: str, vertical_sync: bool, pp: int, stage: int, steps: int, stashing=True) -> int:
+    """Weight versions a stage holds at once, the live one included, in a run long enough for its steady state.
+
+    PipeDream (2019): one per microbatch in flight, p - stage, as 1F1B holds activations. Vertical sync: stage
+    s runs on stage 0's version, p-1 behind, and keeps every version from that one to its live one, p. 2BW
+    (2021): the live W(t+1) and the W(t) the batch in flight runs on, once there has been an update. Without
+    stashing, only the live one."""
+    if not stashing:
+        return 1
+    if schedule == "pipedream-2bw":
+        return min(2, steps)
+    return pp if vertical_sync else pp - stage
+
+
 def zb1p_idle(pp: int, f, b, w):
     """ZB-H1's idle time per rank (Qi et al. 2024, section 3): 1F1B's (p-1)(F+B+W) less 2(p-1)W."""
     return (pp - 1) * (f + b - w)
@@ -31,7 +50,7 @@ def warmup(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) -> int:
     """Forwards a stage runs before its first backward."""
     if schedule in ("gpipe", "afab"):
         return m
-    if schedule in ("1f1b", "zb1p"):
+    if schedule in ("1f1b", "zb1p", "pipedream", "pipedream-2bw"):  # PipeDream: m is the run's steps x m
         return min(pp - stage - 1, m)
     return min((pp - stage - 1) * 2 + (virtual - 1) * pp, m * virtual)  # Megatron's interleaved warm-up
 

@@ -34,7 +34,8 @@ zb1p also logs each W: the W's must follow their split B's in FIFO order, none
 left over (controls: two W's swapped, a W before its B, the last W missing);
 and its ideal timeline (tests/ideal.py, exact rational times) must idle
 (p-1)(F+B-W) on every rank, which 1F1B's order must fail. Step 08's DualPipe
-and DualPipeV have checks of their own (tests/two_way.py).
+and DualPipeV have checks of their own (tests/two_way.py), and so do
+PipeDream's weight versions (tests/weight_versions.py, step 04 on).
 """
 import json
 import os
@@ -267,9 +268,9 @@ class Step:
         self.schedule, self.timeline = schedule, timeline
         self.parser = config.build_parser()
 
-    def args(self, name, pp, m, virtual, ordering):
+    def args(self, name, pp, m, virtual, ordering, extra=()):
         flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
-                 "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering]
+                 "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering, *extra]
         if virtual > 1:
             flags += ["--virtual-stages", str(virtual)]
         return self.parser.parse_args(flags)
@@ -282,8 +283,11 @@ class Step:
 
     def allowed(self, name, pp, m, virtual, ordering):
         """Whether the step's own rules (its config.check_config) accept this configuration."""
+        return self.allowed_args(self.args(name, pp, m, virtual, ordering), pp)
+
+    def allowed_args(self, args, world):
         try:
-            self.config.check_config(self.args(name, pp, m, virtual, ordering), pp, False)
+            self.config.check_config(args, world, False)
             return True
         except self.config.ConfigError:
             return False
@@ -396,6 +400,7 @@ def weight_order_controls(step):
 
 def main(step_dir):
     from two_way import check_two_way  # step 08; it imports this module, so not at the top
+    from weight_versions import check_pipedream  # step 04 on; the same
 
     step = Step(step_dir)
     start, problems, count = time.perf_counter(), [], 0
@@ -411,7 +416,9 @@ def main(step_dir):
                           problem_count=len(problems), problems=problems[:50],
                           refused_but_safe=refused_but_safe[:50], **negative_controls(step),
                           **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}),
-                          **(check_two_way(step) if "dualpipe" in step.schedule.SCHEDULES else {}))))
+                          **(check_two_way(step) if "dualpipe" in step.schedule.SCHEDULES else {}),
+                          **(check_pipedream(step) if os.path.exists(os.path.join(step_dir, "pipedream.py"))
+                             else {}))))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ so the suite pays Python and torch start-up once per group, not per case.
 import pytest
 import torch
 
-from harness import RTOL, WEIGHT_RTOL, compare_case, memory_errors, rel_err, run_cases
+from harness import RTOL, WEIGHT_RTOL, compare_case, memory_errors, rel_err, run_cases, versions_errors
 
 # A tiny model: the schedule is what is under test, not the arithmetic.
 TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
@@ -91,6 +91,26 @@ CASES = [
     case("step08_dualpipe", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "4",
          "--schedule", "dualpipev"),
 ]
+# PipeDream (step 04 on) against worker.reference_pipedream, which updates as PipeDream does: bitwise.
+PIPEDREAM = ["--layers", "4", "--microbatches", "2", "--steps", "3"]
+CASES += [
+    *[case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", *schedule)
+      for schedule in (["pipedream"], ["pipedream", "--vertical-sync"], ["pipedream-2bw"])],
+    case("step04_1f1b", 4, "--pp", "4", *PIPEDREAM, "--schedule", "pipedream", "--p2p", "ordered", "--deallocate"),
+    case("step04_1f1b", 4, "--pp", "4", *PIPEDREAM, "--schedule", "pipedream", "--vertical-sync", "--recompute"),
+    # m = p - 1, the least 2BW allows: stage 0 makes W(t+1) just before batch t+2's first forward.
+    case("step04_1f1b", 4, "--pp", "4", "--layers", "4", "--microbatches", "3", "--batch-size", "12", "--steps", "3",
+         "--schedule", "pipedream-2bw"),
+    *[case("step04_1f1b", 4, "--pp", "2", "--dp", "2", *PIPEDREAM, "--schedule", schedule)
+      for schedule in ("pipedream", "pipedream-2bw")],
+    case("step05_interleaved", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream"),
+    case("step06_tp", 4, "--tp", "2", "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--vertical-sync"),
+    case("step07_mixed_precision", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream-2bw"),
+    case("step08_dualpipe", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream"),
+]
+# The control: without weight stashing PipeDream's backwards read changed weights, and the run must
+# leave the reference (and the stashing check) behind.
+NO_STASHING = case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--no-weight-stashing")
 
 
 def tolerances(flags):
@@ -100,6 +120,8 @@ def tolerances(flags):
     four bf16 gradients are exact). With TP the row-parallel sums are rounded to the
     half type on each rank before the all-reduce adds them: bf16 keeps 8 bits, about 4e-3 relative per
     rounding, and a gradient passes several."""
+    if "--schedule" in flags and flags[flags.index("--schedule") + 1].startswith("pipedream") and "--tp" not in flags:
+        return 0.0, 0.0  # one microbatch at a time, as the reference: every sum in the same order
     if "--precision" not in flags or flags[flags.index("--precision") + 1] == "fp32":
         return RTOL, WEIGHT_RTOL
     if "dualpipe" in flags:  # the two copies' fp32 sums, added in another order than microbatch by microbatch
@@ -114,7 +136,7 @@ def group_results(step_dirs, tmp_path_factory):
 
     def run(step, world):
         if (step, world) not in cache:
-            flags = [p.values[2] for p in CASES if p.values[:2] == (step, world)]
+            flags = [p.values[2] for p in [*CASES, NO_STASHING] if p.values[:2] == (step, world)]
             out = tmp_path_factory.mktemp(f"{step}-world{world}")
             failures = run_cases(step_dirs[step], world, flags, out, timeout=60 + 20 * len(flags))
             cache[step, world] = {tuple(f): (out / f"case{i}", failures[i]) for i, f in enumerate(flags)}
@@ -130,7 +152,19 @@ def test_matches_single_device(step, world, flags, group_results, replay_passes)
     label = f"{step} [{' '.join(flags[len(TINY):])}]"
     assert failure is None, f"{label}: {failure}"
     errors = compare_case(case_dir, world, label, *tolerances(flags)) + memory_errors(case_dir, world, label)
+    errors += versions_errors(case_dir, world, label)
     assert not errors, "\n".join(errors[:25])
+
+
+def test_pipedream_without_weight_stashing_fails(group_results):
+    """The control for the PipeDream cases: with stashing off, the weights under a backward are not its
+    forward's, and both the reference and the stashing check say so."""
+    step, world, flags = NO_STASHING.values
+    case_dir, failure = group_results(step, world)[tuple(flags)]
+    assert failure is None, failure
+    label = f"{step} [{' '.join(flags[len(TINY):])}]"
+    assert compare_case(case_dir, world, label, RTOL, WEIGHT_RTOL), "without stashing the run still matched"
+    assert any("read version" in e for e in versions_errors(case_dir, world, label))
 
 
 # DualPipeV in fp32 computes each microbatch's gradient and adds them in microbatch order, as the reference

@@ -152,6 +152,25 @@ CASES += [
     *bad(MP_STEPS, 1, ["--initial-loss-scale", "-1"], "--initial-loss-scale -1.0"),
     *bad(MP_STEPS, 1, ["--clip-grad", "-1"], "--clip-grad -1.0"),
 ]
+PIPEDREAM_STEPS = [s for s in STEPS if s >= "step04"]
+CASES += [
+    *bad(PIPEDREAM_STEPS, 2, ["--vertical-sync"], "--vertical-sync", "--schedule pipedream", "not 1f1b"),
+    *bad(PIPEDREAM_STEPS, 2, ["--schedule", "pipedream", "--vertical-sync", "--no-weight-stashing"],
+         "--vertical-sync", "only weight stashing keeps", "--no-weight-stashing"),
+    *bad(PIPEDREAM_STEPS, 2, ["--schedule", "pipedream-2bw", "--no-weight-stashing"], "--no-weight-stashing",
+         "not pipedream-2bw"),
+    *bad(PIPEDREAM_STEPS, 4, ["--schedule", "pipedream", "--steps", "1", "--microbatches", "4"],
+         "--steps 1 x --microbatches 4 = 4", "at least 2 x (--pp 4 - 1) = 6"),
+    *bad(PIPEDREAM_STEPS, 4, ["--schedule", "pipedream-2bw", "--microbatches", "2"], "--microbatches 2",
+         "at least --pp 4 - 1", "pipedream-2bw"),
+    *bad(INTERLEAVED, 2, ["--schedule", "pipedream", "--virtual-stages", "2"], "--virtual-stages 2",
+         "--schedule pipedream"),
+    *bad(TP_STEPS, 2, ["--schedule", "pipedream", "--tie-embeddings"], "--tie-embeddings", "--pp 2",
+         "--schedule pipedream", "update at different times"),
+    *bad(MP_STEPS, 2, ["--schedule", "pipedream", "--precision", "bf16"], "--precision bf16", "pipedream",
+         "fp32"),
+    *bad(MP_STEPS, 2, ["--schedule", "pipedream-2bw", "--clip-grad", "1"], "--clip-grad 1.0", "pipedream-2bw"),
+]
 ZB_STEPS = [s for s in STEPS if s >= "step08"]
 CASES += [
     *bad(ZB_STEPS, 4, ["--schedule", "zb1p", "--microbatches", "2", "--batch-size", "8"], "--microbatches 2",

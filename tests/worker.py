@@ -9,6 +9,7 @@ never meet in one process) and uses the step's public training API:
     train.build(args, device)     -> run, with run.model and run.optimizer
     train.compute_gradients(run, step) -> loss (float, same on every rank)
     train.train_step(run, step)   -> dict with "loss", after an optimizer step
+    train.pipedream_steps(run)    -> PipeDream (step 04 on): the whole run, one record per step
     distributed.init_distributed(device, timeout_s)
 
 For every case it saves this rank's loss, gradients after step 0, and weights
@@ -65,13 +66,37 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
 
 def stored_microbatches(run, args, rank: int):
     """The peak of microbatches the activation meter saw this rank hold in step 0, with what the formula
-    needs: the schedule, pp, m, v and this rank's stage (rank = stage * dp * tp + ...). None in step 01."""
+    needs: the schedule, pp, m (PipeDream: the run's steps x m), v and this rank's stage (rank = stage * dp
+    * tp + ...). None in step 01."""
     meter = getattr(run, "meter", None)
     if meter is None:
         return None
     stage = rank // (getattr(args, "dp", 1) * getattr(args, "tp", 1))
-    return dict(peak=meter.peak_stored_microbatches, schedule=getattr(args, "schedule", "afab"), pp=args.pp,
-                m=args.microbatches, v=getattr(args, "virtual_stages", 1), stage=stage)
+    schedule = getattr(args, "schedule", "afab")
+    m = args.microbatches * (args.steps if schedule.startswith("pipedream") else 1)
+    return dict(peak=meter.peak_stored_microbatches, schedule=schedule, pp=args.pp, m=m,
+                v=getattr(args, "virtual_stages", 1), stage=stage)
+
+
+def pipedream_run(train, argv, device, out_case: Path, rank: int):
+    """PipeDream (step 04 on): the whole run, then this rank's per-step losses, weights, and the log of the
+    weight versions its forwards and backwards read."""
+    args = train.parse_args(argv)
+    run = train.build(args, device)
+    status(out_case.parent, rank, f"[{' '.join(argv)}]: the PipeDream run")
+    losses = [record["loss"] for record in train.pipedream_steps(run)]
+    versions = run.stages[0].versions
+    pgm = run.pgm
+    torch.save(dict(losses=losses, names=[n for n, _ in run.model.named_parameters()],
+                    weights={n: p.detach().cpu().clone() for n, p in run.model.named_parameters()},
+                    splits={n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()},
+                    place=(pgm.dp_rank, getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1)),
+                    memory=stored_microbatches(run, args, rank),
+                    versions=dict(log=versions.log, peak=versions.peak_versions, stage=pgm.stage, pp=args.pp,
+                                  schedule=args.schedule, vertical_sync=args.vertical_sync, steps=args.steps,
+                                  stashing=not args.no_weight_stashing)),
+               out_case / f"rank{rank}.pt")
+    return args
 
 
 def reference(args, out_case: Path):
@@ -177,6 +202,64 @@ def reference_microbatched(args, out_case: Path, file="reference.pt"):
     torch.save(dict(losses=losses, grads=grads, weights=weights, masters=masters, scales=scales), out_case / file)
 
 
+def reference_pipedream(args, out_case: Path):
+    """The whole model on one device, updated as PipeDream updates it (step 04 on), microbatch by microbatch.
+
+    Microbatch i runs each stage's parameters at the version that stage uses for it: PipeDream's stage s has
+    made i-(p-s-1) updates by its forward of i, vertical sync uses stage 0's i-(p-1), and 2BW runs batch t on
+    W(t-1). Each replica sums the gradients of its microbatches' losses at those weights (2BW: over the m of
+    a batch, each loss weighted 1/m); at each update the replicas' sums are added in replica order, divided
+    by dp, and stepped by AdamW from the live weights. The stages' layer split is model.py's.
+    """
+    import data
+    import model
+
+    cfg = model.ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
+    net = model.Transformer(cfg, seed=args.seed)
+    params = dict(net.named_parameters())
+    optimizer = torch.optim.AdamW(params.values(), lr=args.lr)
+    layers = model.split_layers(args.layers, args.pp)
+
+    def stage_of(name):
+        if name.startswith("layers."):
+            return next(s for s, ids in enumerate(layers) if int(name.split(".")[1]) in ids)
+        return 0 if name.startswith("embed") else args.pp - 1  # the embedding, else the final norm and head
+
+    def version(stage, i):
+        if args.schedule == "pipedream-2bw":
+            return max(0, i // args.microbatches - 1)
+        return max(0, i - (args.pp - 1 if args.vertical_sync else args.pp - 1 - stage))
+
+    every = args.microbatches if args.schedule == "pipedream-2bw" else 1
+    tokens, m, rows = data.load_tokens(args.data), args.microbatches, args.batch_size // args.dp
+    history = [{n: p.detach().clone() for n, p in params.items()}]  # the weights after each update
+    losses, sums = [[] for _ in range(args.dp)], [{} for _ in range(args.dp)]
+    for i in range(args.steps * m):
+        inputs, targets = data.get_batch(tokens, i // m, args.batch_size, args.seq_len, args.seed)
+        for d in range(args.dp):
+            x, y = inputs[d * rows:(d + 1) * rows].chunk(m)[i % m], targets[d * rows:(d + 1) * rows].chunk(m)[i % m]
+            weights = {n: history[version(stage_of(n), i)][n].clone().requires_grad_() for n in params}
+            logits = torch.func.functional_call(net, weights, (x,))
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            loss.backward(torch.full_like(loss, 1 / every))
+            losses[d].append(loss.detach())
+            sums[d] = {n: w.grad if n not in sums[d] else sums[d][n].add_(w.grad) for n, w in weights.items()}
+        if (i + 1) % every == 0:
+            for n, p in params.items():
+                total = sums[0][n]
+                for d in range(1, args.dp):
+                    total = total + sums[d][n]
+                p.grad = total / args.dp if args.dp > 1 else total
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            history.append({n: p.detach().clone() for n, p in params.items()})
+            sums = [{} for _ in range(args.dp)]
+    step_losses = [sum((sum(replica[k * m:(k + 1) * m]) / m).item() for replica in losses) / args.dp
+                   for k in range(args.steps)]
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    torch.save(dict(losses=step_losses, weights=weights), out_case / "reference.pt")
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -191,11 +274,12 @@ def main(step_dir: str, out_dir: str, cases_json: str):
     for i, argv in enumerate(cases):
         out_case = out / f"case{i}"
         out_case.mkdir(exist_ok=True)
-        args = pipelined(train, argv, device, out_case, rank)
+        pipedream = "--schedule" in argv and argv[argv.index("--schedule") + 1].startswith("pipedream")
+        args = (pipedream_run if pipedream else pipelined)(train, argv, device, out_case, rank)
         if rank == 0:
             status(out, rank, f"[{' '.join(argv)}]: single-device reference")
             half = getattr(args, "precision", "fp32") != "fp32"
-            (reference_microbatched if half else reference)(args, out_case)
+            (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
             if getattr(args, "schedule", None) == "dualpipev" and not half:  # bitwise against this one
                 reference_microbatched(args, out_case, "reference_microbatched.pt")
         dist.barrier()
