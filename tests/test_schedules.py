@@ -54,12 +54,12 @@ def test_dualpipe_and_dualpipev_follow_the_eight_phases(step, replay_report):
 
 @pytest.mark.parametrize("step", SCHEDULED)
 def test_pipedream_weight_versions(step, replay_report):
-    """tests/weight_versions.py: every allowed PipeDream, vertical-sync and 2BW run up to p 8, m 8, 4 steps:
+    """tests/weight_versions.py: every allowed PipeDream, vertical-sync and 2BW run up to p 8, m 6, 3 steps:
     each backward reads the weights its forward read, each forward the papers' version, the peak of
     versions held is the formula's; controls: stashing off, vertical sync's rule off by one, 2BW updating
     after every backward."""
     report = replay_report(step)
-    assert report["pipedream_configurations"] >= 400 and not report["pipedream_problems"], report["pipedream_problems"]
+    assert report["pipedream_configurations"] >= 200 and not report["pipedream_problems"], report["pipedream_problems"]
     controls = {k: v for k, v in report.items() if k.startswith("pipedream_") and k.endswith("_caught")}
     assert len(controls) == 3 and all(controls.values()), controls
 

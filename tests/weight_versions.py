@@ -7,7 +7,7 @@ one-number stand-in for the stage's weights and plain SGD, is then driven throug
 order as PipelineStage drives it: forward(mb) at each F, backward_done(mb) at each B.
 Every forward's gradient is 1, so version k of the stand-in holds a known number.
 
-Checked for every configuration the step's rules allow up to p 8, m 8, 4 steps, against
+Checked for every configuration the step's rules allow up to p 8, m 6, 3 steps, against
 rules written here from the papers:
 
   * stashing: the weights under every backward hold, value for value, what its forward read;
@@ -24,7 +24,7 @@ import torch
 
 import formulas
 
-MAX_PP, MAX_M, MAX_STEPS = 8, 8, 4
+MAX_PP, MAX_M, MAX_STEPS = 8, 6, 3
 LR = 0.5  # version k of the stand-in weight holds -LR x (the gradients summed into its k updates)
 
 
