@@ -114,12 +114,12 @@ NO_STASHING = case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pip
 
 
 def tolerances(flags):
-    """(gradients, weights). fp32: harness's. Half precision without TP: bitwise, since a pipeline rounds
-    exactly where the microbatch-wise reference does; not DualPipe, whose all-reduce adds one direction's
-    fp32 sum to the other's (harness's fp32 tolerances; measured: bitwise at m = 4, where the fp32 sums of
-    four bf16 gradients are exact). With TP the row-parallel sums are rounded to the
-    half type on each rank before the all-reduce adds them: bf16 keeps 8 bits, about 4e-3 relative per
-    rounding, and a gradient passes several."""
+    """(gradients, weights). PipeDream without TP: bitwise, against a reference that also goes microbatch by microbatch
+    (worker.reference_pipedream). fp32: harness's. Half precision without TP: bitwise, since a pipeline rounds
+    exactly where the microbatch-wise reference does; not DualPipe, whose all-reduce adds one direction's fp32
+    sum to the other's (harness's fp32 tolerances; measured: bitwise at m = 4, where the fp32 sums of four bf16
+    gradients are exact). With TP the row-parallel sums are rounded to the half type on each rank before the
+    all-reduce adds them: bf16 keeps 8 bits, about 4e-3 relative per rounding, and a gradient passes several."""
     if "--schedule" in flags and flags[flags.index("--schedule") + 1].startswith("pipedream") and "--tp" not in flags:
         return 0.0, 0.0  # one microbatch at a time, as the reference: every sum in the same order
     if "--precision" not in flags or flags[flags.index("--precision") + 1] == "fp32":
