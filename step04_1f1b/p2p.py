@@ -41,6 +41,7 @@ come back through `recycle` once their microbatch's backward is done, and the
 next receives reuse them: a fresh buffer for every message costs page faults.
 """
 from collections import Counter
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ class PipelineComm:
         self.ordering = ordering
         self.received = Counter()  # activations and gradients received so far this step, for errors
         self.free = []  # receive buffers nobody needs any more
-        self.sending = []  # (work, exchange) of sends still in flight
+        self.sending = []  # (work, why) of sends still in flight; why() says who waits, should it time out
 
     @property
     def is_first(self) -> bool:
@@ -108,31 +109,31 @@ class PipelineComm:
             order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
             posted = [op for op in order if op is not None]
             works = [op.op(op.tensor, op.peer) for op in posted]  # dist.isend / dist.irecv
-        self._wait(works, posted, ops)
+        self._wait(works, posted, partial(self._timeout_message, ops))
+        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
 
-    def _wait(self, works, posted, ops):
+    def _wait(self, works, posted, why):
         """Wait for the receives now. A send only has to be finished before the next exchange, so it
         overlaps this rank's next compute. (gloo gives a work per operation; NCCL one for the whole
         batch, which then is waited for at once: on a GPU that wait does not block the host.)"""
         self.finish_sends()
         if len(works) == len(posted):
-            self.sending = [(work, ops) for work, op in zip(works, posted) if op.op == dist.isend]
+            self.sending = [(work, why) for work, op in zip(works, posted) if op.op == dist.isend]
             works = [work for work, op in zip(works, posted) if op.op != dist.isend]
-        self._complete(works, ops)
-        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
+        self._complete(works, why)
 
     def finish_sends(self):
         """Wait until the peers have received what this rank sent."""
         sending, self.sending = self.sending, []
-        for work, ops in sending:
-            self._complete([work], ops)
+        for work, why in sending:
+            self._complete([work], why)
 
-    def _complete(self, works, ops):
+    def _complete(self, works, why):
         try:
             for work in works:
                 work.wait()
         except RuntimeError as err:  # the process group's timeout expired
-            raise PeerTimeout(self._timeout_message(ops)) from err
+            raise PeerTimeout(why()) from err
 
     def _describe(self, ops):
         """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
