@@ -73,4 +73,3 @@ def afab_forward_backward(stages, comm, microbatches):
     for mb in range(len(microbatches)):
         comm.send_backward(stash.backward(mb, comm.recv_backward()))  # waits for stage+1's backward of mb
     return stash.loss
-

@@ -123,7 +123,6 @@ def afab_forward_backward(stages, comm, microbatches):
     return stash.loss
 
 
-
 def one_f_one_b_forward_backward(stages, comm, microbatches, stash=None):
     """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards.
     stash: PipeDream brings its own (pipedream.py), for a run that is one 1F1B pass."""

@@ -248,8 +248,8 @@ def check_files(args):
 
 
 def check_numbers(args):
-    positive(args, "--pp", "--dp", "--tp", "--batch-size", "--microbatches", "--virtual-stages", "--seq-len", "--layers",
-             "--hidden", "--heads", "--steps", "--lr", "--timeout")
+    positive(args, "--pp", "--dp", "--tp", "--batch-size", "--microbatches", "--virtual-stages", "--seq-len",
+             "--layers", "--hidden", "--heads", "--steps", "--lr", "--timeout")
     if not math.isfinite(args.lr) or not math.isfinite(args.timeout):
         raise ConfigError(f"--lr {args.lr} and --timeout {args.timeout} must be finite")
 

@@ -123,7 +123,6 @@ class PipelineStage:
             WeightGradStore.pop()
         self.meter.release((self.chunk, mb))
 
-
     def overlapped_forward_backward(self, forward, backward):
         """Run DualPipe's pair: a forward of this stage and a backward of another microbatch (dualpipe.py).
 

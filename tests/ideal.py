@@ -14,7 +14,6 @@ def is_split(entry) -> bool:
     return entry[0] == "B" and entry[-1] == "split"
 
 
-
 def ideal_passes(logs, times, layouts=None):
     """Each rank's replayed passes, each run as early as its data allows: dicts of rank, kind, chunk
     (this rank's), mb, start, end, split.
