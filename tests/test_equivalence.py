@@ -104,7 +104,8 @@ CASES += [
     *[case("step04_1f1b", 4, "--pp", "2", "--dp", "2", *PIPEDREAM, "--schedule", schedule)
       for schedule in ("pipedream", "pipedream-2bw")],
     case("step05_interleaved", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream"),
-    case("step06_tp", 4, "--tp", "2", "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--vertical-sync"),
+    case("step06_tp", 4, "--tp", "2", "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--vertical-sync",
+         "--scatter-gather"),
     case("step07_mixed_precision", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream-2bw"),
     case("step08_dualpipe", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream"),
 ]
