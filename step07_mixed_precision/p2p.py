@@ -33,9 +33,22 @@ large tensors block until matched; we must assume every send can). Two cures:
              neighbours have opposite parity, so each rank's first operation
              meets its neighbour's first.
 
-Step 05 adds the verb of the interleaved schedule, Megatron's
-send_forward_backward_recv_forward_backward: all four transfers in one
-exchange. With virtual stages activations go round the ring of ranks v times,
+Step 05 adds the two verbs of the interleaved schedule, in the form Megatron-LM
+uses with --overlap-p2p-communication:
+
+    send_forward_recv_forward    send the newest output, receive the next input
+    send_backward_recv_backward  send an input gradient, receive the next output gradient
+
+Each returns as soon as its transfers are posted, with the function that waits
+for them (communicate's wait=False). The schedule posts each right after the
+compute that made what it sends, and waits only just before the compute that
+needs what it receives: the transfer travels while the rank computes. (With one
+exchange of all four after each forward-backward pair, Megatron's default, every
+iteration waits for messages its neighbours post at the same moment; and gloo
+moves a message only once its receive is posted, a handshake that a receive
+posted a whole compute early has already done.)
+
+With virtual stages activations go round the ring of ranks v times,
 so here the last rank's next rank is rank 0: the neighbours were a ring from
 step 03 on. With an odd number of stages the ring's two ends share a parity,
 so even/odd no longer pairs every first operation; tests/replay.py shows that
@@ -95,11 +108,13 @@ class PipelineComm:
         self.finish_sends()
         self.received.clear()
 
-    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait=True):
         """Send and receive with both neighbours at once; return (from_prev, from_next).
 
         send_next: an output activation for the next rank; send_prev: an input gradient for the
         previous rank. recv_prev / recv_next: receive an activation / a gradient (else None).
+        wait=False returns as soon as the transfers are posted, with the function that waits for them
+        and then returns (from_prev, from_next): step 05 computes while they travel.
         """
         send_next, send_prev = self._outgoing(send_next), self._outgoing(send_prev)
         from_prev = self._wire_buffer() if recv_prev else None
@@ -109,12 +124,8 @@ class PipelineComm:
                dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
                dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
                dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
-        if any(op is not None for op in ops):
-            kind, what = self._describe(ops)
-            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
-            with self.timeline.span(kind, what=what, bytes=sent):
-                self._post(ops)
-        return self._gathered(from_prev), self._gathered(from_next)
+        arrived = partial(self._arrive, ops, *self._post(ops), from_prev, from_next)
+        return arrived() if wait else arrived
 
     def _buffer(self):
         return self.free.pop() if self.free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -149,21 +160,29 @@ class PipelineComm:
         self.free += [t.detach() for t in received if t is not None]
 
     def _post(self, ops):
-        """Start the operations (together, or one by one in parity order), then wait for what they receive."""
+        """Start the operations (together, or one by one in parity order); returns (works, operations posted)."""
         if self.ordering == "batched":
             posted = [op for op in ops if op is not None]
-            works = dist.batch_isend_irecv(posted)
-        else:  # odd stages swap each pair: receive previous, send next, receive next, send previous
-            order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
-            posted = [op for op in order if op is not None]
-            works = [op.op(op.tensor, op.peer) for op in posted]  # dist.isend / dist.irecv
-        self._wait(works, posted, partial(self._timeout_message, ops))
-        self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
+            return (dist.batch_isend_irecv(posted) if posted else []), posted
+        # odd stages swap each pair: receive previous, send next, receive next, send previous
+        order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
+        posted = [op for op in order if op is not None]
+        return [op.op(op.tensor, op.peer) for op in posted], posted  # dist.isend / dist.irecv
+
+    def _arrive(self, ops, works, posted, from_prev, from_next):
+        """Wait for what the posted operations receive (one box on the timeline); returns it."""
+        if posted:
+            kind, label = self._describe(ops)
+            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
+            with self.timeline.span(kind, what=label, bytes=sent):
+                self._wait(works, posted, partial(self._timeout_message, ops))
+            self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
+        return self._gathered(from_prev), self._gathered(from_next)
 
     def _wait(self, works, posted, why):
-        """Wait for the receives now. A send only has to be finished before the next exchange, so it
-        overlaps this rank's next compute. (gloo gives a work per operation; NCCL one for the whole
-        batch, which then is waited for at once: on a GPU that wait does not block the host.)"""
+        """Wait for the receives now. A send only has to be finished when the next exchange is waited
+        for, so it overlaps this rank's next compute. (gloo gives a work per operation; NCCL one for
+        the whole batch, which then is waited for at once: on a GPU that wait does not block the host.)"""
         self.finish_sends()
         if len(works) == len(posted):
             self.sending = [(work, why) for work, op in zip(works, posted) if op.op == dist.isend]
@@ -218,6 +237,14 @@ class PipelineComm:
     def send_backward_recv_forward(self, input_grad):
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
-    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev, recv_next):
-        """Any of the four transfers with both ring neighbours in one exchange; returns (input, output_grad)."""
-        return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)
+    def send_forward_recv_forward(self, output, recv_prev: bool):
+        """Post the send of `output` (if any) to the next rank and the receive of the next input from the
+        previous one; returns the function that waits for both and returns that input."""
+        arrived = self.communicate(send_next=output, recv_prev=recv_prev, wait=False)
+        return lambda: arrived()[0]
+
+    def send_backward_recv_backward(self, input_grad, recv_next: bool):
+        """Post the send of `input_grad` (if any) to the previous rank and the receive of the next output
+        gradient from the next one; returns the function that waits for both and returns that gradient."""
+        arrived = self.communicate(send_prev=input_grad, recv_next=recv_next, wait=False)
+        return lambda: arrived()[1]

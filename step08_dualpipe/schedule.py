@@ -202,8 +202,8 @@ def one_f_one_b_forward_backward(stages, comm, microbatches, stash=None):
 
 
 def interleaved_forward_backward(stages, comm, microbatches):
-    """1F1B over virtual microbatches. Every exchange with the ring neighbours is one call, so a rank
-    sends its newest output and oldest input gradient while receiving what comes next."""
+    """1F1B over virtual microbatches. Each output and input gradient goes to its ring neighbour right
+    after the compute that made it, and the next input and gradient are received while this rank computes."""
     stash = Stash(stages, comm, microbatches)
     pp, virtual = comm.num_stages, len(stages)
     total = len(microbatches) * virtual
@@ -232,22 +232,26 @@ def interleaved_forward_backward(stages, comm, microbatches):
         chunk, mb = virtual_microbatch(k, pp, virtual, forward=True)
         stash.deallocate(mb, chunk)
 
-    exchange = comm.send_forward_backward_recv_forward_backward
+    # Post each transfer right after the compute that made what it sends, and wait for a receive only just
+    # before the compute that needs it: meanwhile the neighbour's message travels.
     warmup = interleaved_warmup(pp, comm.stage, len(microbatches), virtual)
-    x, grad = exchange(None, None, receives_input(0), warmup == 0 and receives_grad(0))
+    next_input = comm.send_forward_recv_forward(None, receives_input(0))
+    next_grad = comm.send_backward_recv_backward(None, warmup == 0 and receives_grad(0))
     for k in range(warmup):
-        out = forward(k, x)
-        first_grad = k == warmup - 1 and receives_grad(0)  # the steady state starts with backward 0
-        x, grad = exchange(out, None, receives_input(k + 1), first_grad)
+        out = forward(k, next_input())
+        next_input = comm.send_forward_recv_forward(out, receives_input(k + 1))
         deallocate(k)
+        if k == warmup - 1:  # the steady state starts with backward 0
+            next_grad = comm.send_backward_recv_backward(None, receives_grad(0))
     for i in range(total - warmup):
         k_fwd, k_bwd = warmup + i, i
-        out = forward(k_fwd, x)
-        input_grad = backward(k_bwd, grad)
-        x, grad = exchange(out, input_grad, receives_input(k_fwd + 1), receives_grad(k_bwd + 1))
+        out = forward(k_fwd, next_input())
+        next_input = comm.send_forward_recv_forward(out, receives_input(k_fwd + 1))
         deallocate(k_fwd)
+        next_grad = comm.send_backward_recv_backward(backward(k_bwd, next_grad()), receives_grad(k_bwd + 1))
     for k in range(total - warmup, total):
-        _, grad = exchange(None, backward(k, grad), False, receives_grad(k + 1))
+        next_grad = comm.send_backward_recv_backward(backward(k, next_grad()), receives_grad(k + 1))
+    next_input(), next_grad()  # receive nothing, but hand the last sends to the next wait, like every send
     return stash.loss
 
 

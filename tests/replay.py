@@ -28,8 +28,8 @@ no message carries a label.
 
 Negative controls, which the checker must catch: every rank posting its sends
 first, one at a time; two sends from one rank to its neighbour posted in swapped
-order; with pp 2, an activation and a gradient between the same two ranks
-swapped inside one batch; one backward run for the wrong microbatch. Step 08's
+order; with pp 2, the first activation and the first gradient that a rank sends
+to its one neighbour swapped; one backward run for the wrong microbatch. Step 08's
 zb1p also logs each W: the W's must follow their split B's in FIFO order, none
 left over (controls: two W's swapped, a W before its B, the last W missing);
 and its ideal timeline (tests/ideal.py, exact rational times) must idle
@@ -361,6 +361,15 @@ def swap_first_two_sends(stream):
     stream[first], stream[second] = stream[second], stream[first]
 
 
+def swap_activation_and_gradient(stream):
+    """A broken rank for a negative control: its first posted group that sends an activation and its first
+    that sends a gradient swap places."""
+    def first(kind):
+        return next(i for i, group in enumerate(stream) if any(op.is_send and op.tensor[0] == kind for op in group))
+    a, g = first(ACTIVATION), first(GRADIENT)
+    stream[a], stream[g] = stream[g], stream[a]
+
+
 def negative_controls(step):
     """Each broken variant must be caught; returns {control: caught}."""
     name = "interleaved" if "interleaved" in step.schedule.SCHEDULES else "1f1b"
@@ -374,9 +383,10 @@ def negative_controls(step):
     logs, dist = step.replay(name, 4, 8, "batched", virtual)
     swap_first_two_sends(dist.streams[1])  # rank 1 sends microbatch 1 before microbatch 0
     controls["swapped_sends_caught"] = caught(4, logs, dist)
-    if name == "interleaved":  # pp 2: an activation and a gradient between the same two ranks, one batch
-        logs, dist = step.replay(name, 2, 4, "batched", virtual, dist=FakeDist(swap_on=1))
-        controls["swapped_in_batch_caught"] = caught(2, logs, dist)
+    if name == "interleaved":  # pp 2: an activation and a gradient between the same two ranks
+        logs, dist = step.replay(name, 2, 4, "batched", virtual)
+        swap_activation_and_gradient(dist.streams[1])
+        controls["activation_gradient_swap_caught"] = caught(2, logs, dist)
     logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
     controls["wrong_backward_caught"] = caught(4, logs, dist)
     if "zb1p" in step.schedule.SCHEDULES:
