@@ -5,6 +5,9 @@
   * the bubble (timeline.busy_fractions) on hand-built event lists: forwards,
     backwards, recomputes, waits, several ranks and steps;
   * the timeline records nothing while disabled;
+  * on CUDA (faked here: events stamped from a GPU clock set by hand) a span waits for
+    nothing: one synchronize as a step starts and one as it ends, none while disabled,
+    and each event lands where the GPU stamped it; two broken timelines must fail this;
   * the activation meter on a known set of saved tensors, a recompute's stored input, and
     microbatches that are views of one storage (step 02 on);
   * --deallocate really frees an output's storage, checked on the tensor itself, and the
@@ -13,6 +16,9 @@
 import json
 import os
 import sys
+import time
+from functools import partial
+from unittest import mock
 
 import torch
 
@@ -52,6 +58,80 @@ def check_timeline_off(timeline):
     kinds = [(e["kind"], e["microbatch"], e.get("chunk")) for e in line.events]
     ok = kinds == [("backward", 1, 0)] and line.events[0]["start"] <= line.events[0]["end"]
     return None if ok else f"recorded {kinds}: expected only the span made while enabled"
+
+
+class FakeCuda:
+    """torch.cuda's Event and synchronize on a CPU: an event is stamped with the GPU clock `gpu_ms`,
+    which the check sets by hand, and every synchronize (a wait of the host for the GPU) is counted."""
+
+    def __init__(self):
+        self.gpu_ms, self.syncs = 0.0, 0
+
+    def Event(self, enable_timing=False):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.stamp = clock.gpu_ms
+
+            def elapsed_time(self, end):
+                return end.stamp - self.stamp
+
+        return Event()
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+def check_cuda_timing(make_timeline):
+    """make_timeline(enabled) -> a timeline for a CUDA device. Known answer: a step starts at GPU time
+    100 ms; a forward runs from 102 to 106 ms and a receive from 106 to 107.5 ms."""
+    cuda = FakeCuda()
+    with mock.patch.object(torch.cuda, "Event", cuda.Event), mock.patch.object(torch.cuda, "synchronize",
+                                                                               cuda.synchronize):
+        off = make_timeline(enabled=False)
+        off.start_step(0)
+        with off.span("forward", 0):
+            pass
+        off.end_step()
+        if cuda.syncs or off.events:
+            return f"disabled: {cuda.syncs} synchronizes, {len(off.events)} events"
+        line, cuda.gpu_ms = make_timeline(enabled=True), 100.0
+        before = time.time()
+        line.start_step(1)
+        after = time.time()
+        for kind, start, end in (("forward", 102.0, 106.0), ("recv", 106.0, 107.5)):
+            cuda.gpu_ms = start
+            with line.span(kind, 0):
+                cuda.gpu_ms = end
+        if cuda.syncs != 1:
+            return f"{cuda.syncs} synchronizes by the end of the step's last span: only the step's start may wait"
+        line.end_step()
+        if cuda.syncs != 2:
+            return f"{cuda.syncs} synchronizes in the step, expected 2 (its start and its end)"
+        got = [(e["kind"], e["start"], e["end"]) for e in line.events]
+        # the step's start (GPU 100 ms) happened between `before` and `after` on the wall clock
+        ok = [kind for kind, start, end in got] == ["forward", "recv"] and all(
+            before - 1e-6 <= start - start_ms / 1e3 <= after + 1e-6
+            and abs((end - start) - (end_ms - start_ms) / 1e3) < 1e-6
+            for (_, start, end), start_ms, end_ms in zip(got, (2.0, 6.0), (6.0, 7.5)))
+        return None if ok else f"events {got}: expected forward at +2..6 ms and recv at +6..7.5 ms of the step's start"
+
+
+def check_cuda_timing_controls(timeline):
+    """Negative controls: a timeline that synchronizes at every span, and one that reads the host's clock
+    instead of the GPU's stamps, must both fail check_cuda_timing."""
+
+    class Synchronizing(timeline.Timeline):
+        def span(self, kind, microbatch=None, **info):
+            if self.enabled:
+                torch.cuda.synchronize()
+            return super().span(kind, microbatch, **info)
+
+    controls = dict(synchronizing=lambda enabled: Synchronizing(0, torch.device("cuda"), enabled=enabled),
+                    host_clock=lambda enabled: timeline.Timeline(0, torch.device("cpu"), enabled=enabled))
+    passed = [name for name, make in controls.items() if check_cuda_timing(make) is None]
+    return f"broken timelines passed the CUDA timing check: {passed}" if passed else None
 
 
 def check_meter(memory):
@@ -145,7 +225,9 @@ def main(step_dir):
     import model
     import timeline
 
-    report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline))
+    on_cuda = partial(timeline.Timeline, 0, torch.device("cuda"))
+    report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline),
+                  cuda_timing=check_cuda_timing(on_cuda), cuda_timing_controls=check_cuda_timing_controls(timeline))
     if os.path.exists(os.path.join(step_dir, "memory.py")):
         import memory
         report["meter"] = check_meter(memory)
