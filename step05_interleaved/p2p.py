@@ -62,6 +62,7 @@ come back through `recycle` once their microbatch's backward is done, and the
 next receives reuse them: a fresh buffer for every message costs page faults.
 """
 from collections import Counter
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -133,8 +134,7 @@ class PipelineComm:
     def _arrive(self, ops, works, posted, from_prev, from_next):
         """Wait for what the posted operations receive (one box on the timeline); returns it."""
         if posted:
-            kind, label = self._describe(ops)
-            with self.timeline.span(kind, what=label):
+            with self._box(ops):
                 self._wait(works, posted, partial(self._timeout_message, ops))
             self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
         return from_prev, from_next
@@ -162,12 +162,15 @@ class PipelineComm:
         except RuntimeError as err:  # the process group's timeout expired
             raise PeerTimeout(why()) from err
 
-    def _describe(self, ops):
-        """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
+    def _box(self, ops):
+        """The exchange's timeline box: send, recv or sendrecv, and what travelled. It is named only while
+        the timeline records: switched off, the box costs nothing."""
+        if not self.timeline.enabled:
+            return nullcontext()
         names = ["send activation", "recv activation", "send gradient", "recv gradient"]
         present = [name for name, op in zip(names, ops) if op is not None]
         directions = {name.split()[0] for name in present}
-        return (directions.pop() if len(directions) == 1 else "sendrecv"), " + ".join(present)
+        return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(present))
 
     def _timeout_message(self, ops):
         """Who waited for what: the k-th activation or gradient of this step, from which rank."""

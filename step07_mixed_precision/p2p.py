@@ -72,6 +72,7 @@ does not divide by tp is sent whole.
 """
 import math
 from collections import Counter
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -172,9 +173,7 @@ class PipelineComm:
     def _arrive(self, ops, works, posted, from_prev, from_next):
         """Wait for what the posted operations receive (one box on the timeline); returns it."""
         if posted:
-            kind, label = self._describe(ops)
-            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
-            with self.timeline.span(kind, what=label, bytes=sent):
+            with self._box(ops):
                 self._wait(works, posted, partial(self._timeout_message, ops))
             self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
         return self._gathered(from_prev), self._gathered(from_next)
@@ -202,12 +201,17 @@ class PipelineComm:
         except RuntimeError as err:  # the process group's timeout expired
             raise PeerTimeout(why()) from err
 
-    def _describe(self, ops):
-        """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
+    def _box(self, ops):
+        """The exchange's timeline box: send, recv or sendrecv, and what travelled. It is named only while
+        the timeline records: switched off, the box costs nothing."""
+        if not self.timeline.enabled:
+            return nullcontext()
         names = ["send activation", "recv activation", "send gradient", "recv gradient"]
         present = [name for name, op in zip(names, ops) if op is not None]
         directions = {name.split()[0] for name in present}
-        return (directions.pop() if len(directions) == 1 else "sendrecv"), " + ".join(present)
+        sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
+        return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(present),
+                                  bytes=sent)
 
     def _timeout_message(self, ops):
         """Who waited for what: the k-th activation or gradient of this step, from which rank."""

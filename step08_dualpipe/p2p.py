@@ -79,6 +79,7 @@ ranks travel in one fused operation, and neither side can wait for the other.
 """
 import math
 from collections import Counter
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -180,9 +181,7 @@ class PipelineComm:
     def _arrive(self, ops, works, posted, from_prev, from_next):
         """Wait for what the posted operations receive (one box on the timeline); returns it."""
         if posted:
-            kind, label = self._describe(ops)
-            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
-            with self.timeline.span(kind, what=label, bytes=sent):
+            with self._box(ops):
                 self._wait(works, posted, partial(self._timeout_message, ops))
             self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
         return self._gathered(from_prev), self._gathered(from_next)
@@ -210,12 +209,17 @@ class PipelineComm:
         except RuntimeError as err:  # the process group's timeout expired
             raise PeerTimeout(why()) from err
 
-    def _describe(self, ops):
-        """Timeline box of an exchange: send, recv or sendrecv, and what travelled."""
+    def _box(self, ops):
+        """The exchange's timeline box: send, recv or sendrecv, and what travelled. It is named only while
+        the timeline records: switched off, the box costs nothing."""
+        if not self.timeline.enabled:
+            return nullcontext()
         names = ["send activation", "recv activation", "send gradient", "recv gradient"]
         present = [name for name, op in zip(names, ops) if op is not None]
         directions = {name.split()[0] for name in present}
-        return (directions.pop() if len(directions) == 1 else "sendrecv"), " + ".join(present)
+        sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
+        return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(present),
+                                  bytes=sent)
 
     def _timeout_message(self, ops):
         """Who waited for what: the k-th activation or gradient of this step, from which rank."""
@@ -276,13 +280,19 @@ class PipelineComm:
             return
         queued, self.queued = self.queued, []
         ops = [op for op, _ in queued]
-        names = [f"{'send' if op.op == dist.isend else 'recv'} {what}" for op, what in queued]
-        directions = {name.split()[0] for name in names}
-        sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op == dist.isend)
-        with self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names),
-                                bytes=sent):
+        with self._batch_box(queued):
             self._wait(dist.batch_isend_irecv(ops), ops, partial(self._queued_timeout_message, queued))
         self.received.update(what for op, what in queued if op.op != dist.isend)
+
+    def _batch_box(self, queued):
+        """A committed batch's timeline box, named as an exchange's is (_box), and only while the timeline records."""
+        if not self.timeline.enabled:
+            return nullcontext()
+        names = [f"{'send' if op.op == dist.isend else 'recv'} {what}" for op, what in queued]
+        directions = {name.split()[0] for name in names}
+        sent = sum(op.tensor.numel() * op.tensor.element_size() for op, _ in queued if op.op == dist.isend)
+        return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names),
+                                  bytes=sent)
 
     def _queued_timeout_message(self, queued):
         """Who waited for what in a committed batch: the k-th activation or gradient of this step."""
