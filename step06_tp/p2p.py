@@ -33,26 +33,24 @@ large tensors block until matched; we must assume every send can). Two cures:
              neighbours have opposite parity, so each rank's first operation
              meets its neighbour's first.
 
-Step 05 adds the two verbs of the interleaved schedule, in the form Megatron-LM
-uses with --overlap-p2p-communication:
+Step 05 adds the two verbs of the interleaved schedule, non-blocking receives:
 
-    send_forward_recv_forward    send the newest output, receive the next input
-    send_backward_recv_backward  send an input gradient, receive the next output gradient
+    irecv_forward    post the receive of an input activation from the previous rank
+    irecv_backward   post the receive of an output gradient from the next rank
 
-Each returns as soon as its transfers are posted, with the function that waits
-for them (communicate's wait=False). The schedule posts each right after the
-compute that made what it sends, and waits only just before the compute that
-needs what it receives: the transfer travels while the rank computes. (With one
-exchange of all four after each forward-backward pair, Megatron's default, every
-iteration waits for messages its neighbours post at the same moment; and gloo
-moves a message only once its receive is posted, a handshake that a receive
-posted a whole compute early has already done.)
+Each returns as soon as its receive is posted, with the function that waits for
+it (communicate's wait=False). The schedule posts each receive about when the
+neighbour computes what it brings, and waits only just before the compute that
+needs it: the message travels while the rank computes. Its sends are exchanges
+of one operation each, right after the compute that made what they send. Then
+--p2p batched and ordered post the same thing; what keeps the interleaved
+schedule from deadlocking is the order of its receives, one that all ranks
+share (schedule.py's interleaved_actions). tests/replay.py checks every
+interleaved configuration up to pp 8, m 32, v 4.
 
 With virtual stages activations go round the ring of ranks v times,
 so here the last rank's next rank is rank 0: the neighbours were a ring from
-step 03 on. With an odd number of stages the ring's two ends share a parity,
-so even/odd no longer pairs every first operation; tests/replay.py shows that
-every interleaved configuration up to pp 8, m 32, v 4 still completes.
+step 03 on.
 
 A receive needs a buffer of known shape and dtype: both neighbours know the
 microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
@@ -241,14 +239,14 @@ class PipelineComm:
     def send_backward_recv_forward(self, input_grad):
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
-    def send_forward_recv_forward(self, output, recv_prev: bool):
-        """Post the send of `output` (if any) to the next rank and the receive of the next input from the
-        previous one; returns the function that waits for both and returns that input."""
-        arrived = self.communicate(send_next=output, recv_prev=recv_prev, wait=False)
+    def irecv_forward(self):
+        """Post the receive of an activation from the previous rank of the ring (the last rank's chunks
+        feed rank 0's); returns the function that waits for it and returns it."""
+        arrived = self.communicate(recv_prev=True, wait=False)
         return lambda: arrived()[0]
 
-    def send_backward_recv_backward(self, input_grad, recv_next: bool):
-        """Post the send of `input_grad` (if any) to the previous rank and the receive of the next output
-        gradient from the next one; returns the function that waits for both and returns that gradient."""
-        arrived = self.communicate(send_prev=input_grad, recv_next=recv_next, wait=False)
+    def irecv_backward(self):
+        """Post the receive of an output gradient from the next rank of the ring; returns the function that
+        waits for it and returns it."""
+        arrived = self.communicate(recv_next=True, wait=False)
         return lambda: arrived()[1]

@@ -30,6 +30,8 @@ and model_chunks says which chunks of the model each rank holds.
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
 """
+from collections import deque
+
 import torch
 
 from dualpipe import run_two_way
@@ -201,57 +203,89 @@ def one_f_one_b_forward_backward(stages, comm, microbatches, stash=None):
     return stash.loss
 
 
+def interleaved_computes(pp: int, stage: int, microbatches: int, virtual: int):
+    """A rank's forwards and backwards in 1F1B order over virtual microbatches, [("F", k) | ("B", k)]:
+    warm-up forwards, then one forward and one backward until every forward is done, then the rest."""
+    total = microbatches * virtual
+    warmup = interleaved_warmup(pp, stage, microbatches, virtual)
+    steady = [compute for i in range(total - warmup) for compute in (("F", warmup + i), ("B", i))]
+    return [("F", k) for k in range(warmup)] + steady + [("B", k) for k in range(total - warmup, total)]
+
+
+def interleaved_actions(pp: int, microbatches: int, virtual: int):
+    """Every rank's actions for one step: its computes, ("F", k) and ("B", k), and before each compute that
+    takes a tensor from a neighbour, the receive that brings it, ("recv F", k) or ("recv B", k).
+
+    Where the receives go decides who waits for whom. One simulation builds every rank's list: the ranks
+    run their computes in lockstep rounds, rank 0 first in each round, a compute as soon as its input has
+    been sent, and when a compute runs, the receive of what it sends goes at once to the end of the
+    receiver's list. So each receive is posted about when its sender computes, long before it is needed
+    (on gloo a message moves only once its receive is posted), and every receive follows its send in one
+    order that all ranks share: no rank can block at the head of its NCCL stream on a receive whose send
+    waits behind a receive of the sender's. PyTorch's pipelining runtime places its receives the same way.
+    """
+    todo = [deque(interleaved_computes(pp, stage, microbatches, virtual)) for stage in range(pp)]
+    actions = [[] for _ in range(pp)]
+    sent = set()  # (stage, kind, k): computes whose input a neighbour has sent
+    last = pp * virtual - 1  # the model's last chunk; chunk 0 is its first
+
+    def model_chunk(stage, kind, k):
+        return virtual_microbatch(k, pp, virtual, forward=kind == "F")[0] * pp + stage
+
+    while any(todo):
+        ran = False
+        for stage in range(pp):
+            if not todo[stage]:
+                continue
+            kind, k = todo[stage][0]
+            begin, end = (0, last) if kind == "F" else (last, 0)  # where this direction enters and leaves
+            chunk = model_chunk(stage, kind, k)
+            if chunk != begin and (stage, kind, k) not in sent:
+                continue  # its input is not sent yet: this rank idles this round
+            actions[stage].append(todo[stage].popleft())
+            ran = True
+            if chunk != end:  # the output goes to the neighbour that runs the model's next chunk
+                to = (stage + 1) % pp if kind == "F" else (stage - 1) % pp
+                # Across the wrap of the ring the next chunk is the receiver's next chunk: p virtual
+                # microbatches later in its numbering (virtual_microbatch).
+                k_to = k + pp if (to == 0 if kind == "F" else to == pp - 1) else k
+                actions[to].append(("recv " + kind, k_to))
+                sent.add((to, kind, k_to))
+        if not ran:  # every rank waits for an input that no rank will send: the orders do not fit
+            raise RuntimeError(f"interleaved orders of pp {pp}, m {microbatches}, v {virtual} cannot run: "
+                               f"next computes {[t[0] for t in todo if t]}")
+    return actions
+
+
 def interleaved_forward_backward(stages, comm, microbatches):
-    """1F1B over virtual microbatches. Each output and input gradient goes to its ring neighbour right
-    after the compute that made it, and the next input and gradient are received while this rank computes."""
+    """1F1B over virtual microbatches. Each output and input gradient goes to its ring neighbour right after
+    the compute that made it; each receive is posted where interleaved_actions puts it, and waited for only
+    just before the compute that needs it: meanwhile the message travels."""
     stash = Stash(stages, comm, microbatches)
     pp, virtual = comm.num_stages, len(stages)
-    total = len(microbatches) * virtual
+    arriving = {}  # (kind, k) -> the function that waits for the input of compute k
 
-    def forward(k, x):
-        """Virtual forward k; returns the output to send, None where the model ends (its loss stays here)."""
-        chunk, mb = virtual_microbatch(k, pp, virtual, forward=True)
-        out = stash.forward(mb, x, chunk)
-        return None if stages[chunk].is_last else out
+    def input_of(kind, k):
+        """Wait for compute k's input; None where the model begins for it (tokens, or the loss)."""
+        wait = arriving.pop((kind, k), None)
+        return wait() if wait else None
 
-    def backward(k, out_grad):
-        """Virtual backward k; returns the input gradient to send, None where the model begins."""
-        chunk, mb = virtual_microbatch(k, pp, virtual, forward=False)
-        input_grad = stash.backward(mb, out_grad, chunk)
-        return None if stages[chunk].is_first else input_grad
-
-    def receives_input(k):
-        """Forward k exists and takes an activation from the previous rank (the model's first chunk reads tokens)."""
-        return k < total and not stages[virtual_microbatch(k, pp, virtual, forward=True)[0]].is_first
-
-    def receives_grad(k):
-        """Backward k exists and takes a gradient from the next rank (the model's last chunk starts from its loss)."""
-        return k < total and not stages[virtual_microbatch(k, pp, virtual, forward=False)[0]].is_last
-
-    def deallocate(k):
-        chunk, mb = virtual_microbatch(k, pp, virtual, forward=True)
-        stash.deallocate(mb, chunk)
-
-    # Post each transfer right after the compute that made what it sends, and wait for a receive only just
-    # before the compute that needs it: meanwhile the neighbour's message travels.
-    warmup = interleaved_warmup(pp, comm.stage, len(microbatches), virtual)
-    next_input = comm.send_forward_recv_forward(None, receives_input(0))
-    next_grad = comm.send_backward_recv_backward(None, warmup == 0 and receives_grad(0))
-    for k in range(warmup):
-        out = forward(k, next_input())
-        next_input = comm.send_forward_recv_forward(out, receives_input(k + 1))
-        deallocate(k)
-        if k == warmup - 1:  # the steady state starts with backward 0
-            next_grad = comm.send_backward_recv_backward(None, receives_grad(0))
-    for i in range(total - warmup):
-        k_fwd, k_bwd = warmup + i, i
-        out = forward(k_fwd, next_input())
-        next_input = comm.send_forward_recv_forward(out, receives_input(k_fwd + 1))
-        deallocate(k_fwd)
-        next_grad = comm.send_backward_recv_backward(backward(k_bwd, next_grad()), receives_grad(k_bwd + 1))
-    for k in range(total - warmup, total):
-        next_grad = comm.send_backward_recv_backward(backward(k, next_grad()), receives_grad(k + 1))
-    next_input(), next_grad()  # receive nothing, but hand the last sends to the next wait, like every send
+    for kind, k in interleaved_actions(pp, len(microbatches), virtual)[comm.stage]:
+        if kind == "recv F":
+            arriving["F", k] = comm.irecv_forward()
+        elif kind == "recv B":
+            arriving["B", k] = comm.irecv_backward()
+        elif kind == "F":
+            chunk, mb = virtual_microbatch(k, pp, virtual, forward=True)
+            out = stash.forward(mb, input_of("F", k), chunk)
+            if not stages[chunk].is_last:  # the last rank's chunks too, round the ring to rank 0
+                comm.communicate(send_next=out)
+            stash.deallocate(mb, chunk)
+        else:
+            chunk, mb = virtual_microbatch(k, pp, virtual, forward=False)
+            input_grad = stash.backward(mb, input_of("B", k), chunk)
+            if not stages[chunk].is_first:
+                comm.communicate(send_prev=input_grad)
     return stash.loss
 
 

@@ -27,9 +27,11 @@ So a swapped message or a backward of the wrong microbatch is caught, although
 no message carries a label.
 
 Negative controls, which the checker must catch: every rank posting its sends
-first, one at a time; two sends from one rank to its neighbour posted in swapped
-order; with pp 2, the first activation and the first gradient that a rank sends
-to its one neighbour swapped; one backward run for the wrong microbatch. Step 08's
+first, one at a time (1F1B); two sends from one rank to its neighbour posted in
+swapped order; with pp 2, the first activation and the first gradient that a rank
+sends to its one neighbour swapped; one backward run for the wrong microbatch;
+and (interleaved) every rank posting each receive before the send ahead of it,
+in an order of its own instead of the one all ranks share. Step 08's
 zb1p also logs each W: the W's must follow their split B's in FIFO order, none
 left over (controls: two W's swapped, a W before its B, the last W missing);
 and its ideal timeline (tests/ideal.py, exact rational times) must idle
@@ -370,6 +372,13 @@ def swap_activation_and_gradient(stream):
     stream[a], stream[g] = stream[g], stream[a]
 
 
+def post_receives_first(stream):
+    """A broken rank for a negative control: each receive posted just before the send that preceded it."""
+    for i in range(1, len(stream)):
+        if all(op.is_send for op in stream[i - 1]) and not any(op.is_send for op in stream[i]):
+            stream[i - 1], stream[i] = stream[i], stream[i - 1]
+
+
 def negative_controls(step):
     """Each broken variant must be caught; returns {control: caught}."""
     name = "interleaved" if "interleaved" in step.schedule.SCHEDULES else "1f1b"
@@ -378,8 +387,11 @@ def negative_controls(step):
     def caught(pp, logs, dist):
         return bool(match(dist.streams, pp) or [p for log in logs for p in check_consumed(log)])
 
-    logs, dist = step.replay(name, 4, 8, "batched", virtual, dist=FakeDist(send_first=True))
-    controls = dict(send_first_deadlocks=any("deadlock" in p for p in match(dist.streams, 4)))
+    def deadlocks(pp, dist):
+        return any("deadlock" in p for p in match(dist.streams, pp))
+
+    controls = dict(send_first_deadlocks=deadlocks(4, step.replay("1f1b", 4, 8, "batched",
+                                                                  dist=FakeDist(send_first=True))[1]))
     logs, dist = step.replay(name, 4, 8, "batched", virtual)
     swap_first_two_sends(dist.streams[1])  # rank 1 sends microbatch 1 before microbatch 0
     controls["swapped_sends_caught"] = caught(4, logs, dist)
@@ -387,6 +399,10 @@ def negative_controls(step):
         logs, dist = step.replay(name, 2, 4, "batched", virtual)
         swap_activation_and_gradient(dist.streams[1])
         controls["activation_gradient_swap_caught"] = caught(2, logs, dist)
+        logs, dist = step.replay(name, 4, 8, "batched", virtual)
+        for stream in dist.streams.values():
+            post_receives_first(stream)
+        controls["receives_first_deadlocks"] = deadlocks(4, dist)
     logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
     controls["wrong_backward_caught"] = caught(4, logs, dist)
     if "zb1p" in step.schedule.SCHEDULES:
