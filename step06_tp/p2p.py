@@ -42,7 +42,7 @@ Each returns as soon as its receive is posted, with the function that waits for
 it (communicate's wait=False). The schedule posts each receive about when the
 neighbour computes what it brings, and waits only just before the compute that
 needs it: the message travels while the rank computes. Its sends are exchanges
-of one operation each, right after the compute that made what they send. Then
+of one operation each, right after the compute that made what they send. So
 --p2p batched and ordered post the same thing; what keeps the interleaved
 schedule from deadlocking is the order of its receives, one that all ranks
 share (schedule.py's interleaved_actions). tests/replay.py checks every
