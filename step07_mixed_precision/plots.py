@@ -1,4 +1,4 @@
-"""Notebook helpers: run this folder's train.py, read back what it recorded, draw it.
+"""Notebook helpers: run this folder's train.py on several ranks, read back what it recorded, draw it.
 
 train.py writes two files we use here: a JSON log (one object per optimizer
 step) and a Chrome trace (one box per forward, backward, recompute, send and
@@ -10,9 +10,11 @@ disagree.
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,27 +32,57 @@ COMPUTE_HEIGHT, COMM_HEIGHT = 0.7, 0.25  # communication boxes are drawn thin: m
 CHUNK_SHADE = 0.6  # how much lighter the last model chunk of a rank is drawn than the first
 
 
-def run_train(nproc: int, *flags, workdir: str):
-    """Run `train.py` of the current folder on `nproc` ranks under torchrun.
+def free_port() -> int:
+    """A TCP port that is free on this machine now, for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    Each run gets its own subfolder of `workdir` for its trace and log. One
-    OpenMP thread per rank, so ranks compete for cores rather than threads.
+
+def launch(nproc: int, argv, folder: str) -> str:
+    """Run `python *argv` as ranks 0..nproc-1 of one job, as `torchrun --standalone --nproc_per_node nproc`
+    would: every process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and one
+    OpenMP thread, so ranks compete for cores rather than threads. torchrun's own launcher process
+    would add about 3 s to every run on a 2-core laptop, longer than many of the runs here.
+
+    Returns what the ranks printed to stdout, in rank order (the course's ranks other than 0 print
+    nothing). As under torchrun, the first rank to fail stops the others, which would wait for it
+    until --timeout, and the error shows what it printed to stderr.
+    """
+    port, procs = free_port(), []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        with open(os.path.join(folder, f"rank{rank}.out"), "w") as out, \
+                open(os.path.join(folder, f"rank{rank}.err"), "w") as err:
+            procs.append(subprocess.Popen([sys.executable, *map(str, argv)], stdout=out, stderr=err, env=env))
+    codes = [p.poll() for p in procs]
+    while None in codes and not any(codes):  # running, and no rank has failed
+        time.sleep(0.02)
+        codes = [p.poll() for p in procs]
+    for p in procs:
+        p.kill()  # a no-op for a rank that has exited
+        p.wait()
+    failed = next((rank for rank, code in enumerate(codes) if code), None)
+    if failed is not None:
+        raise RuntimeError(f"{' '.join(map(str, argv))}: rank {failed} failed:\n"
+                           f"{Path(folder, f'rank{failed}.err').read_text()[-3000:]}")
+    return "".join(Path(folder, f"rank{rank}.out").read_text() for rank in range(nproc))
+
+
+def run_train(nproc: int, *flags, workdir: str):
+    """Run `train.py` of the current folder on `nproc` ranks (see launch).
+
+    Each run gets its own subfolder of `workdir` for its trace and log.
     Returns stdout (with the reports; file names relative to the run's folder),
     the log records and the trace events.
     """
     folder = tempfile.mkdtemp(dir=workdir)
     trace, log = os.path.join(folder, "trace.json"), os.path.join(folder, "log.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "train.py", *map(str, flags), "--trace", trace, "--log-json", log]
-    try:
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-    except subprocess.CalledProcessError as err:
-        raise RuntimeError(f"train.py {' '.join(map(str, flags))} failed:\n{err.stderr[-3000:]}") from err
+    stdout = launch(nproc, ["train.py", *flags, "--trace", trace, "--log-json", log], folder)
     with open(log) as f:
         records = [json.loads(line) for line in f]
-    return SimpleNamespace(stdout=done.stdout.replace(folder + os.sep, ""), records=records,
-                           events=load_trace(trace))
+    return SimpleNamespace(stdout=stdout.replace(folder + os.sep, ""), records=records, events=load_trace(trace))
 
 
 def load_trace(path: str):
