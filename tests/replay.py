@@ -26,18 +26,14 @@ received chunk g-1's activation of mb, its backward chunk g+1's gradient of mb.
 So a swapped message or a backward of the wrong microbatch is caught, although
 no message carries a label.
 
-Negative controls, which the checker must catch: every rank posting its sends
-first, one at a time (1F1B); two sends from one rank to its neighbour posted in
-swapped order; with pp 2, the first activation and the first gradient that a rank
-sends to its one neighbour swapped; one backward run for the wrong microbatch;
-and (interleaved) every rank posting each receive before the send ahead of it,
-in an order of its own instead of the one all ranks share. Step 08's
-zb1p also logs each W: the W's must follow their split B's in FIFO order, none
-left over (controls: two W's swapped, a W before its B, the last W missing);
-and its ideal timeline (tests/ideal.py, exact rational times) must idle
-(p-1)(F+B-W) on every rank, which 1F1B's order must fail. Step 08's DualPipe
-and DualPipeV have checks of their own (tests/two_way.py), and so do
-PipeDream's weight versions (tests/weight_versions.py, step 04 on).
+Negative controls, broken variants of the step's own schedule that the checker
+must catch, are in tests/replay_controls.py. Step 08's zb1p also logs each W: the
+W's must follow their split B's in FIFO order, none left over; and its ideal
+timeline (tests/ideal.py, exact rational times) must idle (p-1)(F+B-W) on every
+rank, which 1F1B's order must fail. Step 08's DualPipe and DualPipeV have checks
+of their own (tests/two_way.py), and so do PipeDream's weight versions
+(tests/weight_versions.py, step 04 on). The configurations are independent, so
+they are replayed on all of the machine's cores.
 """
 import json
 import os
@@ -45,6 +41,7 @@ import sys
 import time
 from argparse import Namespace
 from collections import defaultdict, deque
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -379,66 +376,41 @@ def post_receives_first(stream):
             stream[i - 1], stream[i] = stream[i], stream[i - 1]
 
 
-def negative_controls(step):
-    """Each broken variant must be caught; returns {control: caught}."""
-    name = "interleaved" if "interleaved" in step.schedule.SCHEDULES else "1f1b"
-    virtual = 2 if name == "interleaved" else 1
-
-    def caught(pp, logs, dist):
-        return bool(match(dist.streams, pp) or [p for log in logs for p in check_consumed(log)])
-
-    def deadlocks(pp, dist):
-        return any("deadlock" in p for p in match(dist.streams, pp))
-
-    controls = dict(send_first_deadlocks=deadlocks(4, step.replay("1f1b", 4, 8, "batched",
-                                                                  dist=FakeDist(send_first=True))[1]))
-    logs, dist = step.replay(name, 4, 8, "batched", virtual)
-    swap_first_two_sends(dist.streams[1])  # rank 1 sends microbatch 1 before microbatch 0
-    controls["swapped_sends_caught"] = caught(4, logs, dist)
-    if name == "interleaved":  # pp 2: an activation and a gradient between the same two ranks
-        logs, dist = step.replay(name, 2, 4, "batched", virtual)
-        swap_activation_and_gradient(dist.streams[1])
-        controls["activation_gradient_swap_caught"] = caught(2, logs, dist)
-        logs, dist = step.replay(name, 4, 8, "batched", virtual)
-        for stream in dist.streams.values():
-            post_receives_first(stream)
-        controls["receives_first_deadlocks"] = deadlocks(4, dist)
-    logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
-    controls["wrong_backward_caught"] = caught(4, logs, dist)
-    if "zb1p" in step.schedule.SCHEDULES:
-        controls.update(weight_order_controls(step))
-    return controls
+def check_on_every_core(step_dir, configurations):
+    """Step.check's problems for each (schedule, pp, m, v, ordering), in order. The replays are independent,
+    so they are spread over the machine's cores; each worker process loads the step once."""
+    with ProcessPoolExecutor(os.cpu_count(), initializer=_load_step, initargs=(step_dir,)) as pool:
+        return list(pool.map(_check, configurations, chunksize=8))
 
 
-def weight_order_controls(step):
-    """Step 08: rank 1's replayed zb1p passes with two W's swapped, with a W moved before its B, and with
-    the last W left out (the store not empty at the end): check_weight_order must catch each."""
-    passes = [e for e in step.replay("zb1p", 4, 8, "batched")[0][1] if e[0] in ("F", "B", "W")]
-    w = [i for i, e in enumerate(passes) if e[0] == "W"]
-    swapped = list(passes)
-    swapped[w[0]], swapped[w[1]] = passes[w[1]], passes[w[0]]
-    early = list(passes)
-    early.insert(0, early.pop(w[0]))
-    return dict(swapped_weights_caught=bool(check_weight_order(swapped)),
-                weight_before_its_b_caught=bool(check_weight_order(early)),
-                weight_left_in_store_caught=bool(check_weight_order(passes[:w[-1]])))
+_STEP = None  # a worker's Step
+
+
+def _load_step(step_dir):
+    global _STEP
+    _STEP = Step(step_dir)
+
+
+def _check(configuration):
+    name, pp, m, virtual, ordering = configuration
+    return _STEP.check(name, pp, m, ordering, virtual)
 
 
 def main(step_dir):
-    from two_way import check_two_way  # step 08; it imports this module, so not at the top
+    from replay_controls import negative_controls  # these import this module, so not at the top
+    from two_way import check_two_way  # step 08
     from weight_versions import check_pipedream  # step 04 on; the same
 
-    step = Step(step_dir)
-    start, problems, count = time.perf_counter(), [], 0
-    for name, pp, m, v, ordering in step.configurations():
-        problems += step.check(name, pp, m, ordering, v)
-        count += 1
+    step, start = Step(step_dir), time.perf_counter()
+    allowed = list(step.configurations())
     # A refused ordering must be one that really fails: the rules refuse no safe configuration.
+    refused = [(name, pp, m, v, ordering) for name, pp, m, v, ordering in step.configurations(allowed=False)
+               if ordering == "ordered" and step.allowed(name, pp, m, v, "batched")]
+    found = check_on_every_core(step_dir, allowed + refused)
+    problems = [problem for problems in found[:len(allowed)] for problem in problems]
     refused_but_safe = [f"{name} pp={pp} m={m} v={v} p2p={ordering}"
-                        for name, pp, m, v, ordering in step.configurations(allowed=False)
-                        if ordering == "ordered" and step.allowed(name, pp, m, v, "batched")
-                        and not step.check(name, pp, m, ordering, v)]
-    print(json.dumps(dict(configurations=count, seconds=round(time.perf_counter() - start, 1),
+                        for (name, pp, m, v, ordering), problems in zip(refused, found[len(allowed):]) if not problems]
+    print(json.dumps(dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
                           problem_count=len(problems), problems=problems[:50],
                           refused_but_safe=refused_but_safe[:50], **negative_controls(step),
                           **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}),

@@ -79,10 +79,13 @@ def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
 
 @pytest.mark.parametrize("step", STEPS)
 def test_one_process_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
-    """The default model and data on one process (--pp 1) and on four stages: the same loss trajectory."""
+    """The default model and data on one process (--pp 1) and on four stages: the same loss trajectory.
+    One process needs no launcher: `python train.py`, here with a free port for gloo's store."""
     done, pipelined_log, _ = four_stage_run(step)
     assert done.returncode == 0, ranks_output(done)
-    single = torchrun(step_dirs[step], 1, "--steps", str(SMOKE_STEPS), "--log-json", str(tmp_path / "log.jsonl"))
+    single = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), "--steps", str(SMOKE_STEPS),
+                             "--log-json", str(tmp_path / "log.jsonl")], cwd=REPO, capture_output=True, text=True,
+                            timeout=180, env=rank_env(0, 1, free_port()))
     assert single.returncode == 0, ranks_output(single)
     losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
     assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)

@@ -1,0 +1,58 @@
+"""Negative controls for tests/replay.py: broken variants of a step's own schedule that the replay must catch.
+
+Every rank posting its sends first, one at a time (1F1B), must deadlock. Two sends
+from one rank to its neighbour posted in swapped order, the first activation and the
+first gradient a rank sends to its one neighbour swapped (pp 2, interleaved), and one
+backward run for the wrong microbatch must each be caught by the matching or by what
+the fake stages consumed. Every rank posting each receive before the send ahead of it,
+in an order of its own instead of the one all ranks share (interleaved), must deadlock.
+Step 08's zb1p: two W's swapped, a W before its B and the last W left in the store must
+each fail check_weight_order.
+"""
+from replay import (FakeDist, check_consumed, check_weight_order, match, post_receives_first,
+                    swap_activation_and_gradient, swap_first_two_sends)
+
+
+def negative_controls(step):
+    """Each broken variant must be caught; returns {control: caught}."""
+    name = "interleaved" if "interleaved" in step.schedule.SCHEDULES else "1f1b"
+    virtual = 2 if name == "interleaved" else 1
+
+    def caught(pp, logs, dist):
+        return bool(match(dist.streams, pp) or [p for log in logs for p in check_consumed(log)])
+
+    def deadlocks(pp, dist):
+        return any("deadlock" in p for p in match(dist.streams, pp))
+
+    controls = dict(send_first_deadlocks=deadlocks(4, step.replay("1f1b", 4, 8, "batched",
+                                                                  dist=FakeDist(send_first=True))[1]))
+    logs, dist = step.replay(name, 4, 8, "batched", virtual)
+    swap_first_two_sends(dist.streams[1])  # rank 1 sends microbatch 1 before microbatch 0
+    controls["swapped_sends_caught"] = caught(4, logs, dist)
+    if name == "interleaved":  # pp 2: an activation and a gradient between the same two ranks
+        logs, dist = step.replay(name, 2, 4, "batched", virtual)
+        swap_activation_and_gradient(dist.streams[1])
+        controls["activation_gradient_swap_caught"] = caught(2, logs, dist)
+        logs, dist = step.replay(name, 4, 8, "batched", virtual)
+        for stream in dist.streams.values():
+            post_receives_first(stream)
+        controls["receives_first_deadlocks"] = deadlocks(4, dist)
+    logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
+    controls["wrong_backward_caught"] = caught(4, logs, dist)
+    if "zb1p" in step.schedule.SCHEDULES:
+        controls.update(weight_order_controls(step))
+    return controls
+
+
+def weight_order_controls(step):
+    """Step 08: rank 1's replayed zb1p passes with two W's swapped, with a W moved before its B, and with
+    the last W left out (the store not empty at the end): check_weight_order must catch each."""
+    passes = [e for e in step.replay("zb1p", 4, 8, "batched")[0][1] if e[0] in ("F", "B", "W")]
+    w = [i for i, e in enumerate(passes) if e[0] == "W"]
+    swapped = list(passes)
+    swapped[w[0]], swapped[w[1]] = passes[w[1]], passes[w[0]]
+    early = list(passes)
+    early.insert(0, early.pop(w[0]))
+    return dict(swapped_weights_caught=bool(check_weight_order(swapped)),
+                weight_before_its_b_caught=bool(check_weight_order(early)),
+                weight_left_in_store_caught=bool(check_weight_order(passes[:w[-1]])))
