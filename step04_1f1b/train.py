@@ -228,7 +228,9 @@ def report(run, last_record):
 def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
-    log = open(args.log_json, "w") if args.log_json and dist.get_rank() == 0 else None
+    # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
+    # this rank through os._exit, which writes out no buffers.
+    log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
     records = pipedream_steps(run) if args.schedule in pipedream.SCHEDULES else flushed_steps(run)
     for step, record in enumerate(records):
         if step == args.steps - 1:

@@ -1,4 +1,7 @@
-"""train.py as a user runs it: torchrun with default flags, and bad flags that must fail fast."""
+"""train.py as a user runs it: default flags on several ranks, bad flags that must fail fast, torchrun, a stall.
+
+The training runs start their ranks with the environment torchrun gives them (harness.launch);
+test_under_torchrun_rank_0_alone_speaks runs torchrun itself."""
 import json
 import os
 import signal
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from conftest import STEPS
-from harness import REPO, free_port, rank_env
+from harness import REPO, RunFailed, free_port, launch, rank_env
 
 SMOKE_STEPS = 4
 
@@ -35,9 +38,17 @@ def ranks_output(done) -> str:
     return "\n".join(lines[-40:])
 
 
+def train_py(step_dir, world: int, *flags: str, out):
+    """Rank 0's stdout of `train.py flags` on `world` ranks; fails the test with the failed rank's output."""
+    try:
+        return launch([sys.executable, str(step_dir / "train.py"), *flags], world, out, timeout=180)[0]
+    except RunFailed as failed:
+        pytest.fail(str(failed), pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def four_stage_run(step_dirs, tmp_path_factory, replay_passes):
-    """run(step) -> (finished process, log path, trace path) of a default 4-rank run, made once per step."""
+    """run(step) -> (rank 0's stdout, log path, trace path) of a default 4-rank run, made once per step."""
     cache = {}
 
     def run(step):
@@ -45,9 +56,12 @@ def four_stage_run(step_dirs, tmp_path_factory, replay_passes):
         if step not in cache:
             out = tmp_path_factory.mktemp(step)
             log, trace = out / "log.jsonl", out / "trace.json"
-            done = torchrun(step_dirs[step], 4, "--steps", str(SMOKE_STEPS), "--log-json", str(log),
-                            "--trace", str(trace))
-            cache[step] = done, log, trace
+            cache[step] = None  # a failed run fails this test, and the next that asks at once
+            stdout = train_py(step_dirs[step], 4, "--steps", str(SMOKE_STEPS), "--log-json", str(log),
+                              "--trace", str(trace), out=out)
+            cache[step] = stdout, log, trace
+        if cache[step] is None:
+            pytest.fail(f"{step}: the default 4-rank run failed (see the first test that ran it)", pytrace=False)
         return cache[step]
 
     return run
@@ -55,9 +69,8 @@ def four_stage_run(step_dirs, tmp_path_factory, replay_passes):
 
 @pytest.mark.parametrize("step", STEPS)
 def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
-    done, log, trace = four_stage_run(step)
-    assert done.returncode == 0, ranks_output(done)
-    assert "bubble" in done.stdout and "formula" in done.stdout
+    stdout, log, trace = four_stage_run(step)
+    assert "bubble" in stdout and "formula" in stdout
 
     records = read_log(log)
     assert [r["step"] for r in records] == list(range(SMOKE_STEPS))
@@ -79,14 +92,9 @@ def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
 
 @pytest.mark.parametrize("step", STEPS)
 def test_one_process_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
-    """The default model and data on one process (--pp 1) and on four stages: the same loss trajectory.
-    One process needs no launcher: `python train.py`, here with a free port for gloo's store."""
-    done, pipelined_log, _ = four_stage_run(step)
-    assert done.returncode == 0, ranks_output(done)
-    single = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), "--steps", str(SMOKE_STEPS),
-                             "--log-json", str(tmp_path / "log.jsonl")], cwd=REPO, capture_output=True, text=True,
-                            timeout=180, env=rank_env(0, 1, free_port()))
-    assert single.returncode == 0, ranks_output(single)
+    """The default model and data on one process (--pp 1) and on four stages: the same loss trajectory."""
+    _, pipelined_log, _ = four_stage_run(step)
+    train_py(step_dirs[step], 1, "--steps", str(SMOKE_STEPS), "--log-json", str(tmp_path / "log.jsonl"), out=tmp_path)
     losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
     assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
 
@@ -96,13 +104,11 @@ TP_STEPS = [s for s in STEPS if s >= "step06"]
 
 @pytest.mark.parametrize("step", TP_STEPS)
 def test_tensor_parallel_grid_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
-    """torchrun --nproc_per_node 4 train.py --tp 2 --pp 2, with no other flags: the same losses as four stages."""
-    done, pipelined_log, _ = four_stage_run(step)
-    assert done.returncode == 0, ranks_output(done)
-    grid = torchrun(step_dirs[step], 4, "--tp", "2", "--pp", "2", "--steps", str(SMOKE_STEPS),
-                    "--log-json", str(tmp_path / "log.jsonl"))
-    assert grid.returncode == 0, ranks_output(grid)
-    assert "(stage 1, dp 0, tp 1)" in grid.stdout, "the report names each rank's place in the grid"
+    """train.py --tp 2 --pp 2 on 4 ranks, with no other flags: the same losses as four stages."""
+    _, pipelined_log, _ = four_stage_run(step)
+    stdout = train_py(step_dirs[step], 4, "--tp", "2", "--pp", "2", "--steps", str(SMOKE_STEPS),
+                      "--log-json", str(tmp_path / "log.jsonl"), out=tmp_path)
+    assert "(stage 1, dp 0, tp 1)" in stdout, "the report names each rank's place in the grid"
     losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
     assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
 
@@ -252,8 +258,8 @@ STALL_TIMEOUT, STALLS_AT_ONCE = 4, 4
 
 
 def stall(step_dir, layout, folder):
-    """Start two ranks, stop rank 1 once two steps are logged; return (rank 0's exit code, its stderr,
-    seconds from the stop to rank 0's exit)."""
+    """Start two ranks, stop rank 1 once two steps are logged; return rank 0's exit code, its stdout and
+    stderr, the seconds from the stop to its exit, and the records in its --log-json."""
     log = folder / "log.jsonl"
     cmd = [sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "2",
            "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(STALL_TIMEOUT), "--log-json", str(log),
@@ -268,8 +274,8 @@ def stall(step_dir, layout, folder):
             time.sleep(0.05)
         ranks[1].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        _, err = ranks[0].communicate(timeout=STALL_TIMEOUT + 30)
-        return ranks[0].returncode, err, time.monotonic() - stopped
+        out, err = ranks[0].communicate(timeout=STALL_TIMEOUT + 30)
+        return ranks[0].returncode, out, err, time.monotonic() - stopped, read_log(log)
     finally:
         for p in ranks:
             p.kill()
@@ -291,9 +297,12 @@ def stalled_runs(step_dirs, tmp_path_factory):
 def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, stalled_runs):
     """Stop rank 1 mid-run: rank 0 must exit non-zero within about --timeout, saying what it waited for.
     With --dp 2 rank 0 waits in the data-parallel group's all-reduce, with --tp 2 in a tensor-parallel
-    all-reduce inside a forward or backward: every group needs the timeout."""
-    returncode, err, waited = stalled_runs[step, tuple(layout)]
+    all-reduce inside a forward or backward: every group needs the timeout. The log keeps every step the
+    rank printed: nothing is lost in a buffer when the rank ends without teardown."""
+    returncode, out, err, waited, records = stalled_runs[step, tuple(layout)]
     assert returncode != 0, err
     assert waited < STALL_TIMEOUT + 20, f"rank 0 took {waited:.0f} s to give up, with --timeout {STALL_TIMEOUT}"
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: rank 0") and f"(--timeout {STALL_TIMEOUT} s)" in last, err[-2000:]
+    printed = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(records) == len(printed) >= 2, f"{len(printed)} steps printed, {len(records)} in the log"
