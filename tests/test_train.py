@@ -39,7 +39,7 @@ def ranks_output(done) -> str:
 
 
 def train_py(step_dir, world: int, *flags: str, out):
-    """Rank 0's stdout of `train.py flags` on `world` ranks; fails the test with the failed rank's output."""
+    """What rank 0 printed running `train.py flags` on `world` ranks; fails the test with the failed rank's output."""
     try:
         return launch([sys.executable, str(step_dir / "train.py"), *flags], world, out, timeout=180)[0]
     except RunFailed as failed:
@@ -48,7 +48,7 @@ def train_py(step_dir, world: int, *flags: str, out):
 
 @pytest.fixture(scope="module")
 def four_stage_run(step_dirs, tmp_path_factory, replay_passes):
-    """run(step) -> (rank 0's stdout, log path, trace path) of a default 4-rank run, made once per step."""
+    """run(step) -> (what rank 0 printed, log path, trace path) of a default 4-rank run, made once per step."""
     cache = {}
 
     def run(step):
