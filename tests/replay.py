@@ -399,7 +399,7 @@ def _check(configuration):
 def main(step_dir):
     from replay_controls import negative_controls  # these import this module, so not at the top
     from two_way import check_two_way  # step 08
-    from weight_versions import check_pipedream  # step 04 on; the same
+    from weight_versions import check_pipedream  # step 04 on
 
     step, start = Step(step_dir), time.perf_counter()
     allowed = list(step.configurations())
@@ -407,9 +407,9 @@ def main(step_dir):
     refused = [(name, pp, m, v, ordering) for name, pp, m, v, ordering in step.configurations(allowed=False)
                if ordering == "ordered" and step.allowed(name, pp, m, v, "batched")]
     found = check_on_every_core(step_dir, allowed + refused)
-    problems = [problem for problems in found[:len(allowed)] for problem in problems]
+    problems = [problem for each in found[:len(allowed)] for problem in each]
     refused_but_safe = [f"{name} pp={pp} m={m} v={v} p2p={ordering}"
-                        for (name, pp, m, v, ordering), problems in zip(refused, found[len(allowed):]) if not problems]
+                        for (name, pp, m, v, ordering), each in zip(refused, found[len(allowed):]) if not each]
     print(json.dumps(dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
                           problem_count=len(problems), problems=problems[:50],
                           refused_but_safe=refused_but_safe[:50], **negative_controls(step),
