@@ -63,7 +63,8 @@ class PipelineComm:
         """
         from_prev = self._buffer() if recv_prev else None
         from_next = self._buffer() if recv_next else None
-        # Megatron's order: send next, receive previous, send previous, receive next.
+        # Megatron's _p2p_ops order on an even rank: send next, receive previous, send previous, receive next
+        # (its batched path, _batched_p2p_ops, lists send previous, receive previous, send next, receive next).
         ops = [dist.P2POp(dist.isend, send_next.detach(), self.next_rank) if send_next is not None else None,
                dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
                dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,

@@ -28,10 +28,10 @@ large tensors block until matched; we must assume every send can). Two cures:
              fused operation: nothing waits for anything else to be posted.
     ordered  Megatron's even/odd rule (its _p2p_ops): post non-blocking isend and
              irecv one by one, even stages send first and odd stages receive
-             first, then wait for all. On one NCCL stream the operations of a
-             rank complete in the order they were posted, so the order matters;
-             neighbours have opposite parity, so each rank's first operation
-             meets its neighbour's first.
+             first, then wait for all. tests/replay.py completes each rank's
+             operations in the order posted, a conservative model (PyTorch's NCCL
+             backend runs a lone isend or irecv on one stream per peer pair); under
+             it neighbours of opposite parity meet, first operation with first.
 
 Step 05 adds the two verbs of the interleaved schedule, non-blocking receives:
 
@@ -118,7 +118,8 @@ class PipelineComm:
         send_next, send_prev = self._outgoing(send_next), self._outgoing(send_prev)
         from_prev = self._wire_buffer() if recv_prev else None
         from_next = self._wire_buffer() if recv_next else None
-        # Megatron's order: send next, receive previous, send previous, receive next.
+        # Megatron's _p2p_ops order on an even rank: send next, receive previous, send previous, receive next
+        # (its batched path, _batched_p2p_ops, lists send previous, receive previous, send next, receive next).
         ops = [dist.P2POp(dist.isend, send_next.detach(), self.next_rank) if send_next is not None else None,
                dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
                dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
