@@ -251,6 +251,24 @@ def eight_phases(rank: TwoWayRank, n: int, i: int, k: int):
     assert not rank.waiting_w, "every W of the step has run"
 
 
+def idle_chains(stages: int, f, b, w) -> dict:
+    """Each rank's idle time in the order eight_phases runs, with pass times F, B, W (a pair's backward
+    whole, B + W) and free messages that leave where the code commits them: a pair's outputs when the
+    pair ends. It is the longest of six chains of dependent passes, each of n = PP/2 - 1 links (PP the
+    number of stages), the same on every rank and for every m; tests/two_way.py finds it exact in every
+    allowed configuration. n(2F+B-W) is the longest when F <= B <= (1 + 1/n)F and W <= B. Were each
+    output sent as its pass ends, the same order would idle ZB-H1's n(F+B-W) at near-equal pass times
+    (tests/ideal.py's control): one F less per link.
+    DeepSeek's table writes (PP/2-1)(F&B+B-3W), B a whole backward: with a pair F&B = F + B + W (no
+    overlap), that is n(F+2B-W), the first chain when F = B."""
+    n = stages // 2 - 1
+    if n <= 0:  # one V of one rank (DualPipe's p = 2, DualPipeV's p = 1): nothing to wait for
+        return {"0": 0}
+    return {"n(2F+B-W)": n * (2 * f + b - w), "(2n+1)F+(n-1)B-nW": (2 * n + 1) * f + (n - 1) * b - n * w,
+            "(n-1)F+2nB-nW": (n - 1) * f + 2 * n * b - n * w, "2nF": 2 * n * f, "(2n+1)F-B": (2 * n + 1) * f - b,
+            "(n-1)F+nB": (n - 1) * f + n * b}
+
+
 def run_two_way(stash, comm, v_shape: bool):
     """One step of DualPipeV (v_shape) or DualPipe on this rank; returns the rank's share of the loss."""
     rank = TwoWayRank(stash, comm, v_shape)

@@ -34,7 +34,7 @@ from collections import deque
 
 import torch
 
-from dualpipe import run_two_way
+from dualpipe import idle_chains, run_two_way
 
 
 def bubble_formula(args, times=None):
@@ -43,10 +43,9 @@ def bubble_formula(args, times=None):
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
-    forward, B and W (measured in the same run; equal if left out). DualPipe and DualPipeV idle
-    (PP/2-1)(F+B-W), PP the number of stages: ZB-H1's bubble over half as many stages. tests/two_way.py
-    finds it exact on every rank for B <= 1.1 F and W <= F (not for B = 1.2 F with 14 stages); DeepSeek's
-    table writes (PP/2-1)(F&B+B-3W), with F&B a pair overlapped on a GPU and B a whole backward.
+    forward, B and W (measured in the same run; equal if left out). DualPipe and DualPipeV idle the
+    longest of six chains of n = PP/2-1 links (dualpipe.idle_chains), n(2F+B-W) for F <= B <= (1+1/n)F
+    and W <= B, beside N(F+B+W) of compute, N the passes of each kind a rank runs.
     """
     if args.schedule == "zb1p":
         f, b, w = times or (1, 1, 1)
@@ -57,9 +56,11 @@ def bubble_formula(args, times=None):
         f, b, w = times or (1, 1, 1)
         stages = model_chunks(args, 0)[1]
         passes = 2 * args.microbatches if args.schedule == "dualpipev" else args.microbatches
-        idle = (stages // 2 - 1) * (f + b - w)
-        text = (f"(PP/2-1)(F+B-W)/(n(F+B+W)+(PP/2-1)(F+B-W)), PP = {stages} stages, n = {passes} passes, "
-                f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
+        chains = idle_chains(stages, f, b, w)
+        longest = max(chains, key=chains.get)
+        idle = chains[longest]
+        text = (f"idle/(N(F+B+W)+idle), idle = {longest} (the longest of {len(chains)} chains, n = PP/2-1), "
+                f"PP = {stages} stages, N = {passes} passes, F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
         return text, idle / (passes * (f + b + w) + idle)
     if args.schedule == "interleaved":
         v = args.virtual_stages

@@ -15,7 +15,8 @@ import sys
 import formulas
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
-TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5)]  # (F, B, W) for step 08's split schedules
+TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5), (1.0, 3.0, 0.5), (1.0, 1.1, 2.0), (3.0, 1.0, 2.0),
+         (1.0, 3.0, 4.0)]  # (F, B, W) for step 08's split schedules: each of DualPipe's six chains is longest in one
 SPLIT = ("zb1p", "dualpipe", "dualpipev")
 PIPEDREAM_FLAGS = [[], ["--vertical-sync"], ["--no-weight-stashing"], ["--steps", "1"], ["--steps", "3"]]
 

@@ -76,9 +76,16 @@ def two_way_peak(stages: int) -> int:
 
 
 def two_way_idle(stages: int, f, b, w):
-    """DualPipe and DualPipeV's idle time per rank, as the replayed order gives it: ZB-H1's (F+B-W) per stage
-    boundary over half the stages. (DeepSeek's table: (PP/2-1)(F&B+B-3W), B a whole backward.)"""
-    return (stages // 2 - 1) * (f + b - w)
+    """DualPipe and DualPipeV's idle time per rank in the order DeepSeek's code runs, with a pair's outputs
+    sent when the pair ends: the longest of six chains of n = PP/2-1 links, found by laying the replayed
+    order out on exact pass times (tests/ideal.py) and held to it there for every allowed configuration.
+    n(2F+B-W) is the longest for F <= B <= (1+1/n)F and W <= B. DeepSeek's table writes (PP/2-1)(F&B+B-3W)
+    with B a whole backward; a pair run one pass after the other is F&B = F+B+W, which gives n(F+2B-W)."""
+    n = stages // 2 - 1
+    if n <= 0:
+        return 0
+    return max(n * (2 * f + b - w), (2 * n + 1) * f + (n - 1) * b - n * w, (n - 1) * f + 2 * n * b - n * w,
+               2 * n * f, (2 * n + 1) * f - b, (n - 1) * f + n * b)
 
 
 def two_way_stages(schedule: str, pp: int) -> int:

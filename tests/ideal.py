@@ -1,9 +1,13 @@
-"""Ideal timelines of replayed schedules: every pass as early as its data allows, in exact arithmetic.
+"""Ideal timelines of replayed schedules: every pass as early as the code's messages allow, in exact arithmetic.
 
-replay.py records each rank's forwards (F), backwards (B) and weight-gradient passes (W); laid out
-with given pass times and free messages, they show a schedule's own bubble, apart from unequal
-stages and message time. Notebooks 05 and 08 draw them; test_schedules.py holds them to the formulas.
+replay.py records each rank's forwards (F), backwards (B) and weight-gradient passes (W), and where
+the rank posts each message and waits for each receive. Laid out with given pass times and messages
+that take no time, they show a schedule's own bubble, apart from unequal stages and message time:
+a message leaves when the code posts it, not when the pass that made it ends (DualPipe's pair sends
+its outputs after both its passes). Notebook 08 draws them; test_schedules.py holds them to the
+formulas, and passes_sent_at_pass_end, the rule that ignores where the code sends, is the control.
 """
+from collections import Counter, defaultdict
 from fractions import Fraction
 
 import formulas
@@ -14,53 +18,107 @@ def is_split(entry) -> bool:
     return entry[0] == "B" and entry[-1] == "split"
 
 
-def ideal_passes(logs, times, layouts=None):
-    """Each rank's replayed passes, each run as early as its data allows: dicts of rank, kind, chunk
-    (this rank's), mb, start, end, split.
+def ideal_passes(logs, times):
+    """Each rank's replayed passes, each run as early as the code's messages allow: dicts of rank, kind,
+    chunk (this rank's), mb, start, end, split.
 
     times: exact durations {"F", "B", "W"} (a backward that is not split takes B + W), or a list of
-    them, one per rank, for stages of unequal cost. layouts[rank][chunk]: the global model chunk that
-    a rank's chunk is (default: one chunk per rank, rank r holding chunk r). Messages take no time:
-    the forward of mb on global chunk g waits only for the forward of mb on g-1, a backward for the
-    backward on g+1.
+    them, one per rank, for stages of unequal cost. A rank runs its log in order. Messages take no
+    time, but leave where the code posts them: a send leaves at the rank's clock when its group is
+    posted (DualPipe's commit, right before the rank's next compute, so a pair's outputs leave when
+    the pair ends), and a rank that waits for a receive (logged where the code waits) resumes when
+    the matching send has left: the k-th send from rank r to q meets the k-th receive on q from r.
+    A wait for a send costs nothing.
     """
     per_rank = times if isinstance(times, list) else [times] * len(logs)
-    layouts = layouts or [[rank] for rank in range(len(logs))]
+    match_of = _receive_keys(logs)
+    left = defaultdict(list)  # (from, to) -> when each send left, in posting order
+    clock, done, boxes = [Fraction(0)] * len(logs), [0] * len(logs), []
+    progress = True
+    while progress:
+        progress = False
+        for rank, log in enumerate(logs):
+            while done[rank] < len(log):
+                entry = log[done[rank]]
+                if entry[0] == "post":
+                    for op in entry[1]:
+                        if op.is_send:
+                            left[rank, op.peer].append(clock[rank])
+                elif entry[0] == "wait" and not entry[1].is_send:
+                    key, k = match_of[id(entry[1])]
+                    if len(left[key]) <= k:
+                        break  # the sender has not posted it yet
+                    clock[rank] = max(clock[rank], left[key][k])
+                elif entry[0] in ("F", "B", "W"):
+                    boxes.append(_box(rank, entry, clock[rank], per_rank[rank]))
+                    clock[rank] = boxes[-1]["end"]
+                done[rank] += 1
+                progress = True
+    assert all(d == len(log) for d, log in zip(done, logs)), "the replayed order deadlocks even with free messages"
+    return boxes
+
+
+def _receive_keys(logs):
+    """id(receive) -> ((from, to), k): it is the k-th receive rank `to` posted from `from`."""
+    keys, count = {}, Counter()
+    for rank, log in enumerate(logs):
+        for entry in log:
+            if entry[0] == "post":
+                for op in entry[1]:
+                    if not op.is_send:
+                        keys[id(op)] = ((op.peer, rank), count[op.peer, rank])
+                        count[op.peer, rank] += 1
+    return keys
+
+
+def _box(rank, entry, start, t):
+    """One pass, started at `start`, with the rank's pass times t."""
+    kind, (chunk, mb), *_ = entry
+    split = is_split(entry)
+    end = start + (t["B"] + t["W"] if kind == "B" and not split else t[kind])
+    return dict(rank=rank, kind=kind, chunk=chunk, mb=mb, start=start, end=end, split=split)
+
+
+def passes_sent_at_pass_end(logs, times, layouts):
+    """The rule of an ideal timeline that ignores where the code sends (the negative control): every
+    output leaves as its pass ends, so the forward of mb on global chunk g waits only for the forward of
+    mb on g-1, a backward for the backward on g+1. layouts[rank][chunk]: the global model chunk that a
+    rank's chunk is."""
+    per_rank = times if isinstance(times, list) else [times] * len(logs)
     last = max(g for layout in layouts for g in layout)
-    passes = [[e for e in log if e[0] in ("F", "B", "W")] for log in logs]
+    todo = [[e for e in log if e[0] in ("F", "B", "W")] for log in logs]
     ends, clock, boxes = {}, [Fraction(0)] * len(logs), []
     progress = True
     while progress:
         progress = False
-        for rank, todo in enumerate(passes):
-            while todo:
-                kind, (chunk, mb), *_ = todo[0]
+        for rank, passes in enumerate(todo):
+            while passes:
+                kind, (chunk, mb), *_ = passes[0]
                 g = layouts[rank][chunk]
                 needs = ("F", g - 1, mb) if kind == "F" and g > 0 else ("B", g + 1, mb) if kind == "B" and g < last \
                     else None
                 if needs and needs not in ends:
                     break
-                start, t, split = max(clock[rank], ends.get(needs, 0)), per_rank[rank], is_split(todo[0])
-                clock[rank] = start + (t["B"] + t["W"] if kind == "B" and not split else t[kind])
-                ends[kind, g, mb] = clock[rank]
-                boxes.append(dict(rank=rank, kind=kind, chunk=chunk, mb=mb, start=start, end=clock[rank],
-                                  split=split))
-                todo.pop(0)
+                boxes.append(_box(rank, passes.pop(0), max(clock[rank], ends.get(needs, 0)), per_rank[rank]))
+                clock[rank] = ends[kind, g, mb] = boxes[-1]["end"]
                 progress = True
-    assert not any(passes), "the replayed order deadlocks even with free messages"
     return boxes
 
 
-def ideal_timeline(logs, times, layouts=None):
+def ideal_timeline(logs, times):
     """ideal_passes as (rank, kind, mb, start, end) tuples."""
-    return [(b["rank"], b["kind"], b["mb"], b["start"], b["end"]) for b in ideal_passes(logs, times, layouts)]
+    return [(b["rank"], b["kind"], b["mb"], b["start"], b["end"]) for b in ideal_passes(logs, times)]
 
 
-def ideal_idle(logs, times, layouts=None):
-    """Per rank, the ideal timeline's length minus the rank's compute."""
-    boxes = ideal_timeline(logs, times, layouts)
-    length = max(end for *_, end in boxes)
-    return [length - sum(end - start for r, *_, start, end in boxes if r == rank) for rank in range(len(logs))]
+def idle_of(boxes, ranks):
+    """Per rank, the timeline's length minus the rank's compute."""
+    length = max(b["end"] for b in boxes)
+    return [length - sum(b["end"] - b["start"] for b in boxes if b["rank"] == rank) for rank in range(ranks)]
+
+
+def ideal_idle(logs, times):
+    """Per rank, the ideal timeline's idle time."""
+    return idle_of(ideal_passes(logs, times), len(logs))
 
 
 def check_zb1p_bubble(step):

@@ -66,7 +66,14 @@ class Op:
 
 
 class Work:
+    """What posting an operation returns; waiting for it logs ("wait", op) in the rank's log, so that the
+    ideal timeline (ideal.py) knows where the code waits for each receive."""
+
+    def __init__(self, op, log):
+        self.op, self.log = op, log
+
     def wait(self, timeout=None):
+        self.log.append(("wait", self.op))
         return True
 
 
@@ -80,6 +87,7 @@ class FakeDist:
     def __init__(self, send_first=False, swap_on=None):
         self.send_first, self.swap_on = send_first, swap_on
         self.rank, self.streams = 0, defaultdict(list)  # rank -> posted groups, in order
+        self.log = []  # the current rank's log: each posted group goes in as ("post", group)
 
     # process groups
     def get_rank(self):
@@ -108,7 +116,8 @@ class FakeDist:
 
     def _post(self, group):
         self.streams[self.rank].append(group)
-        return [Work() for _ in group]
+        self.log.append(("post", group))
+        return [Work(op, self.log) for op in group]
 
     def last_receive_into(self, tensor):
         """The latest receive this rank posted into `tensor` (buffers may be reused)."""
@@ -305,7 +314,8 @@ class Step:
 
     def _replay_rank(self, name, pp, m, ordering, virtual, dist, rank, wrong_backward):
         """One rank's schedule, run to the end on the fake transport; returns its log."""
-        dist.rank, log = rank, []
+        log = []
+        dist.rank, dist.log = rank, log
         pgm = self.groups.ProcessGroupManager(pp, 1, timeout_s=1)
         kwargs = {} if ordering is None else {"ordering": ordering}
         comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", self.timeline.Timeline(enabled=False), **kwargs)

@@ -9,31 +9,32 @@ fake transport of replay.py, and:
     none left in the store;
   * every send meets its receive with no deadlock, and every pass consumed the right tensor;
   * the peak number of (chunk, microbatch) pairs a rank holds is formulas.two_way_peak;
-  * the ideal timeline idles formulas.two_way_idle on every rank, in exact arithmetic.
+  * the ideal timeline, each message leaving where the code commits it, idles formulas.two_way_idle on
+    every rank, in exact arithmetic, for pass times that make each of its six chains the longest.
 
 DualPipeV's per-rank order, pairs included, must equal torch.distributed.pipelining's
 ScheduleDualPipeV.pipeline_order for p <= 4. Negative controls, which must be caught: an activation
 of one direction and a gradient of the other swapped inside one batch between two ranks; every
 rank posting its sends first, one at a time; the ideal-timeline check on DualPipeV's order with
-nothing split (every backward whole); the phase check on a table with two phases' counts swapped.
+nothing split (every backward whole), and on an ideal timeline that sends each output as its pass
+ends instead of where the code commits it; the phase check on a table with two phases' counts swapped.
 """
 from fractions import Fraction
 
 import formulas
-from ideal import ideal_idle, is_split
+from ideal import ideal_idle, idle_of, is_split, passes_sent_at_pass_end
 from replay import FakeDist, check_consumed, check_weight_order, match
 
 TWO_WAY = {"dualpipe": (2, 4, 6, 8), "dualpipev": tuple(range(1, 9))}
 EXTRA_M = 12
 PATTERNS = [["F0"], ["F0", "F1"], ["B1", "W", "F1"], ["F0", "B1", "F1", "B0"], ["B1", "F1", "B0"], ["B1", "B0"],
             ["W", "B0"], ["W"]]  # the eight phases, in the order DeepSeek's code names them
-# Pass times (F, B, W) for which the replayed order idles exactly (PP/2-1)(F+B-W) on every rank, for
-# every configuration here. It stops being exact where B is well above F with many stages: with
-# F:B:W = 1:1.2:0.6 DualPipeV at p = 7 and 8 idles 1/5 more (notebook 08 shows it).
+# Pass times (F, B, W): equal; then, for each of the six chains of formulas.two_way_idle, times where it
+# alone is the longest (n(2F+B-W) first) for every n = PP/2-1 up to 7.
 HALF = Fraction(1, 2)
 TIMES = [dict(zip("FBW", map(Fraction, t))) for t in
-         [(1, 1, 1), (1, 1, 0), (1, 1, HALF), (Fraction(6, 5), 1, HALF), (Fraction(3, 2), 1, HALF),
-          (1, Fraction(11, 10), HALF), (1, Fraction(4, 5), HALF)]]
+         [(1, 1, 1), (1, Fraction(11, 10), HALF), (Fraction(3, 2), 1, HALF), (1, 2, HALF), (1, Fraction(11, 10), 2),
+          (3, 1, 2), (1, 3, 4)]]
 
 
 def place(name, pp, rank):
@@ -92,19 +93,23 @@ def configurations(step):
 
 def check_configuration(step, name, pp, m):
     logs, dist = step.replay(name, pp, m, "batched")
-    layouts = [step.layout(name, pp, m, 1, rank)[0] for rank in range(pp)]
     problems = match(dist.streams, pp)
     for rank, log in enumerate(logs):
         problems += [f"rank {rank}: {p}" for p in check_rank(name, pp, rank, m, log)]
         if not problems:
             problems += [f"rank {rank}: {p}" for p in check_consumed(log)]
-    stages = formulas.two_way_stages(name, pp)
-    for times in TIMES:
+    problems += idle_problems(name, pp, [ideal_idle(logs, times) for times in TIMES])
+    return [f"{name} pp={pp} m={m}: {p}" for p in problems]
+
+
+def idle_problems(name, pp, idles):
+    """Where each rank's idle time, one list per TIMES entry, differs from formulas.two_way_idle."""
+    problems, stages = [], formulas.two_way_stages(name, pp)
+    for times, idle in zip(TIMES, idles):
         expected = formulas.two_way_idle(stages, times["F"], times["B"], times["W"])
-        idle = ideal_idle(logs, times, layouts)
         problems += [f"ideal timeline with {times}: rank {r} idles {i}, expected {expected}"
                      for r, i in enumerate(idle) if i != expected]
-    return [f"{name} pp={pp} m={m}: {p}" for p in problems]
+    return problems
 
 
 def torch_order(pp, m):
@@ -154,14 +159,17 @@ def controls(step):
     _, dist = step.replay("dualpipe", 4, 8, "batched", dist=FakeDist(send_first=True))
     deadlocks = any("deadlock" in p for p in match(dist.streams, 4))
     logs, _ = step.replay("dualpipev", 4, 8, "batched")
-    whole = [[(e[0], e[1]) for e in log if e[0] in ("F", "B")] for log in logs]  # every backward B + W at once
+    whole = [[("B", e[1]) if is_split(e) else e for e in log if e[0] != "W"] for log in logs]  # each B with its W
+    unsplit = bool(idle_problems("dualpipev", 4, [ideal_idle(whole, TIMES[1])]))
     layouts = [step.layout("dualpipev", 4, 8, 1, rank)[0] for rank in range(4)]
-    unsplit = ideal_idle(whole, TIMES[1], layouts) != [formulas.two_way_idle(8, 1, 1, Fraction(1, 2))] * 4
+    at_pass_end = bool(idle_problems("dualpipev", 4, (idle_of(passes_sent_at_pass_end(logs, times, layouts), 4)
+                                                      for times in TIMES)))
     counts = formulas.two_way_phases(4, 1, 8)
     counts[0], counts[1] = counts[1], counts[0]
     phases = observed_passes("dualpipev", 4, 1, logs[1]) != expected_passes("dualpipev", 4, 1, 8, counts)
     return dict(two_way_swapped_in_batch_caught=swapped, two_way_send_first_deadlocks=deadlocks,
-                two_way_unsplit_bubble_caught=unsplit, two_way_wrong_phases_caught=phases)
+                two_way_unsplit_bubble_caught=unsplit, two_way_sent_at_pass_end_caught=at_pass_end,
+                two_way_wrong_phases_caught=phases)
 
 
 def check_two_way(step):
