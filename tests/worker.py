@@ -10,7 +10,7 @@ never meet in one process) and uses the step's public training API:
     train.compute_gradients(run, step) -> loss (float, same on every rank)
     train.train_step(run, step)   -> dict with "loss", after an optimizer step
     train.pipedream_steps(run)    -> PipeDream (step 04 on): the whole run, one record per step
-    distributed.init_distributed(device, timeout_s)
+    distributed.init_distributed(device, timeout_s)   on the device the cases' --device names (cuda: NCCL)
 
 For every case it saves this rank's loss, gradients after step 0, and weights
 and losses after REFERENCE_STEPS optimizer steps, with the rank's place in the
@@ -270,7 +270,8 @@ def main(step_dir: str, out_dir: str, cases_json: str):
     out, rank = Path(out_dir), int(os.environ["RANK"])
     cases = json.loads(cases_json)
     status(out, rank, "joining the process group")
-    device = distributed.init_distributed("cpu", float(os.environ.get("PP_TEST_PG_TIMEOUT", 60)))
+    choice = cases[0][cases[0].index("--device") + 1] if "--device" in cases[0] else "cpu"  # cuda: NCCL
+    device = distributed.init_distributed(choice, float(os.environ.get("PP_TEST_PG_TIMEOUT", 60)))
     for i, argv in enumerate(cases):
         out_case = out / f"case{i}"
         out_case.mkdir(exist_ok=True)
