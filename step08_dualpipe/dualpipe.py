@@ -256,9 +256,11 @@ def idle_chains(stages: int, f, b, w) -> dict:
     whole, B + W) and free messages that leave where the code commits them: a pair's outputs when the
     pair ends. It is the longest of six chains of dependent passes, each of n = PP/2 - 1 links (PP the
     number of stages), the same on every rank and for every m; tests/two_way.py finds it exact in every
-    allowed configuration. n(2F+B-W) is the longest when F <= B <= (1 + 1/n)F and W <= B. Were each
-    output sent as its pass ends, the same order would idle ZB-H1's n(F+B-W) at near-equal pass times
-    (tests/ideal.py's control): one F less per link.
+    allowed configuration. n(2F+B-W) is the longest when F <= B <= (1 + 1/n)F and W <= B. That is one F
+    per link more than ZB-H1's n(F+B-W), because a pair is one unit both ways: it starts once every input
+    of its commit is there, its backward's gradient included, and sends when both its passes are done.
+    Replayed, changing only one of the two leaves the idle as it is at near-equal pass times; changing
+    both gives n(F+B-W) (tests/two_way.py).
     DeepSeek's table writes (PP/2-1)(F&B+B-3W), B a whole backward: with a pair F&B = F + B + W (no
     overlap), that is n(F+2B-W), the first chain when F = B."""
     n = stages // 2 - 1

@@ -77,8 +77,9 @@ def two_way_peak(stages: int) -> int:
 
 def two_way_idle(stages: int, f, b, w):
     """DualPipe and DualPipeV's idle time per rank in the order DeepSeek's code runs, with a pair's outputs
-    sent when the pair ends: the longest of six chains of n = PP/2-1 links, found by laying the replayed
-    order out on exact pass times (tests/ideal.py) and held to it there for every allowed configuration.
+    sent when the pair ends and a pair started once all its inputs are there: the longest of six chains of
+    n = PP/2-1 links, found by laying the replayed order out on exact pass times (tests/ideal.py) and held to
+    it there for every allowed configuration.
     n(2F+B-W) is the longest for F <= B <= (1+1/n)F and W <= B. DeepSeek's table writes (PP/2-1)(F&B+B-3W)
     with B a whole backward; a pair run one pass after the other is F&B = F+B+W, which gives n(F+2B-W)."""
     n = stages // 2 - 1

@@ -5,7 +5,8 @@ the rank posts each message and waits for each receive. Laid out with given pass
 that take no time, they show a schedule's own bubble, apart from unequal stages and message time:
 a message leaves when the code posts it, not when the pass that made it ends (DualPipe's pair sends
 its outputs after both its passes). Notebook 08 draws them; test_schedules.py holds them to the
-formulas, and passes_sent_at_pass_end, the rule that ignores where the code sends, is the control.
+formulas, with the rules of another code (each output sent as its pass ends, each receive waited
+for only by the pass that uses it) as the control.
 """
 from collections import Counter, defaultdict
 from fractions import Fraction
@@ -18,7 +19,7 @@ def is_split(entry) -> bool:
     return entry[0] == "B" and entry[-1] == "split"
 
 
-def ideal_passes(logs, times):
+def ideal_passes(logs, times, layouts=None, sends_at_pass_end=False, waits_at_use=False):
     """Each rank's replayed passes, each run as early as the code's messages allow: dicts of rank, kind,
     chunk (this rank's), mb, start, end, split.
 
@@ -26,14 +27,26 @@ def ideal_passes(logs, times):
     them, one per rank, for stages of unequal cost. A rank runs its log in order. Messages take no
     time, but leave where the code posts them: a send leaves at the rank's clock when its group is
     posted (DualPipe's commit, right before the rank's next compute, so a pair's outputs leave when
-    the pair ends), and a rank that waits for a receive (logged where the code waits) resumes when
-    the matching send has left: the k-th send from rank r to q meets the k-th receive on q from r.
-    A wait for a send costs nothing.
+    the pair ends), and a rank that waits for a receive (logged where the code waits: DualPipe's
+    commit waits for every receive of its batch) resumes when the matching send has left: the k-th
+    send from rank r to q meets the k-th receive on q from r. A wait for a send costs nothing.
+
+    Two rules of other codes, to measure what each costs: sends_at_pass_end, every output leaves as
+    the pass that made it ends (layouts[rank][chunk]: the global model chunk a rank's chunk is, to
+    know which pass made it); waits_at_use, a rank waits for a receive only right before the pass
+    that consumes it.
     """
     per_rank = times if isinstance(times, list) else [times] * len(logs)
     match_of = _receive_keys(logs)
     left = defaultdict(list)  # (from, to) -> when each send left, in posting order
+    made = {}  # (rank, tag kind, global chunk, mb) -> when the pass that made that tensor ended
     clock, done, boxes = [Fraction(0)] * len(logs), [0] * len(logs), []
+
+    def arrived(rank, op):
+        """When a receive's send left, or None if it has not been posted yet."""
+        key, k = match_of[id(op)]
+        return left[key][k] if len(left[key]) > k else None
+
     progress = True
     while progress:
         progress = False
@@ -43,19 +56,33 @@ def ideal_passes(logs, times):
                 if entry[0] == "post":
                     for op in entry[1]:
                         if op.is_send:
-                            left[rank, op.peer].append(clock[rank])
-                elif entry[0] == "wait" and not entry[1].is_send:
-                    key, k = match_of[id(entry[1])]
-                    if len(left[key]) <= k:
+                            tag = tuple(int(x) for x in op.tensor.tolist())
+                            left[rank, op.peer].append(made.get((rank, *tag), clock[rank]) if sends_at_pass_end
+                                                       else clock[rank])
+                elif entry[0] == "wait" and not entry[1].is_send and not waits_at_use:
+                    if arrived(rank, entry[1]) is None:
                         break  # the sender has not posted it yet
-                    clock[rank] = max(clock[rank], left[key][k])
+                    clock[rank] = max(clock[rank], arrived(rank, entry[1]))
                 elif entry[0] in ("F", "B", "W"):
-                    boxes.append(_box(rank, entry, clock[rank], per_rank[rank]))
+                    needs = _consumed(log, done[rank]) if waits_at_use else None
+                    if needs is not None and arrived(rank, needs) is None:
+                        break
+                    boxes.append(_box(rank, entry, max(clock[rank], arrived(rank, needs) if needs else 0),
+                                      per_rank[rank]))
                     clock[rank] = boxes[-1]["end"]
+                    if layouts and entry[0] != "W":  # what the pass made: an activation (1) or a gradient (2)
+                        made[rank, 1 if entry[0] == "F" else 2, layouts[rank][entry[1][0]], entry[1][1]] = clock[rank]
                 done[rank] += 1
                 progress = True
     assert all(d == len(log) for d, log in zip(done, logs)), "the replayed order deadlocks even with free messages"
     return boxes
+
+
+def _consumed(log, index):
+    """The receive that the pass at log[index] consumes (its fake stage logs it next), or None."""
+    following = log[index + 1] if index + 1 < len(log) else None
+    source = following[2] if following and following[0] == "expect" else None
+    return source if source is not None and hasattr(source, "is_send") else None
 
 
 def _receive_keys(logs):
@@ -79,32 +106,6 @@ def _box(rank, entry, start, t):
     return dict(rank=rank, kind=kind, chunk=chunk, mb=mb, start=start, end=end, split=split)
 
 
-def passes_sent_at_pass_end(logs, times, layouts):
-    """The rule of an ideal timeline that ignores where the code sends (the negative control): every
-    output leaves as its pass ends, so the forward of mb on global chunk g waits only for the forward of
-    mb on g-1, a backward for the backward on g+1. layouts[rank][chunk]: the global model chunk that a
-    rank's chunk is."""
-    per_rank = times if isinstance(times, list) else [times] * len(logs)
-    last = max(g for layout in layouts for g in layout)
-    todo = [[e for e in log if e[0] in ("F", "B", "W")] for log in logs]
-    ends, clock, boxes = {}, [Fraction(0)] * len(logs), []
-    progress = True
-    while progress:
-        progress = False
-        for rank, passes in enumerate(todo):
-            while passes:
-                kind, (chunk, mb), *_ = passes[0]
-                g = layouts[rank][chunk]
-                needs = ("F", g - 1, mb) if kind == "F" and g > 0 else ("B", g + 1, mb) if kind == "B" and g < last \
-                    else None
-                if needs and needs not in ends:
-                    break
-                boxes.append(_box(rank, passes.pop(0), max(clock[rank], ends.get(needs, 0)), per_rank[rank]))
-                clock[rank] = ends[kind, g, mb] = boxes[-1]["end"]
-                progress = True
-    return boxes
-
-
 def ideal_timeline(logs, times):
     """ideal_passes as (rank, kind, mb, start, end) tuples."""
     return [(b["rank"], b["kind"], b["mb"], b["start"], b["end"]) for b in ideal_passes(logs, times)]
@@ -116,9 +117,9 @@ def idle_of(boxes, ranks):
     return [length - sum(b["end"] - b["start"] for b in boxes if b["rank"] == rank) for rank in range(ranks)]
 
 
-def ideal_idle(logs, times):
-    """Per rank, the ideal timeline's idle time."""
-    return idle_of(ideal_passes(logs, times), len(logs))
+def ideal_idle(logs, times, **rules):
+    """Per rank, the ideal timeline's idle time (rules: those of ideal_passes)."""
+    return idle_of(ideal_passes(logs, times, **rules), len(logs))
 
 
 def check_zb1p_bubble(step):

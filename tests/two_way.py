@@ -10,19 +10,22 @@ fake transport of replay.py, and:
   * every send meets its receive with no deadlock, and every pass consumed the right tensor;
   * the peak number of (chunk, microbatch) pairs a rank holds is formulas.two_way_peak;
   * the ideal timeline, each message leaving where the code commits it, idles formulas.two_way_idle on
-    every rank, in exact arithmetic, for pass times that make each of its six chains the longest.
+    every rank, in exact arithmetic, for pass times that make each of its six chains the longest; at
+    near-equal times, sending each output as its pass ends or waiting for each receive only where it is
+    used leaves that idle as it is, and doing both gives ZB-H1's (PP/2-1)(F+B-W) (pair_problems).
 
 DualPipeV's per-rank order, pairs included, must equal torch.distributed.pipelining's
 ScheduleDualPipeV.pipeline_order for p <= 4. Negative controls, which must be caught: an activation
 of one direction and a gradient of the other swapped inside one batch between two ranks; every
 rank posting its sends first, one at a time; the ideal-timeline check on DualPipeV's order with
 nothing split (every backward whole), and on an ideal timeline that sends each output as its pass
-ends instead of where the code commits it; the phase check on a table with two phases' counts swapped.
+ends and waits for each receive only where it is used; the phase check on a table with two phases'
+counts swapped.
 """
 from fractions import Fraction
 
 import formulas
-from ideal import ideal_idle, idle_of, is_split, passes_sent_at_pass_end
+from ideal import ideal_idle, is_split
 from replay import FakeDist, check_consumed, check_weight_order, match
 
 TWO_WAY = {"dualpipe": (2, 4, 6, 8), "dualpipev": tuple(range(1, 9))}
@@ -99,7 +102,26 @@ def check_configuration(step, name, pp, m):
         if not problems:
             problems += [f"rank {rank}: {p}" for p in check_consumed(log)]
     problems += idle_problems(name, pp, [ideal_idle(logs, times) for times in TIMES])
+    problems += pair_problems(step, name, pp, m, logs)
     return [f"{name} pp={pp} m={m}: {p}" for p in problems]
+
+
+def pair_problems(step, name, pp, m, logs):
+    """Why the pair costs one F per link over ZB-H1 at near-equal pass times (TIMES[1]): it is one unit both
+    ways, started once every input of its commit is there and sending when both passes are done. Either
+    rule of another code alone (each output sent as its pass ends; each receive waited for by the pass that
+    uses it) leaves the idle as it is; both together give ZB-H1's (PP/2-1)(F+B-W)."""
+    layouts = [step.layout(name, pp, m, 1, rank)[0] for rank in range(pp)]
+    times, stages = TIMES[1], formulas.two_way_stages(name, pp)
+    zb1p_like = max(stages // 2 - 1, 0) * (times["F"] + times["B"] - times["W"])
+    problems = []
+    for rules, expected in ((dict(sends_at_pass_end=True), formulas.two_way_idle(stages, *times.values())),
+                            (dict(waits_at_use=True), formulas.two_way_idle(stages, *times.values())),
+                            (dict(sends_at_pass_end=True, waits_at_use=True), zb1p_like)):
+        idle = ideal_idle(logs, times, layouts=layouts, **rules)
+        problems += [f"ideal timeline with {rules}: rank {r} idles {i}, expected {expected}"
+                     for r, i in enumerate(idle) if i != expected]
+    return problems
 
 
 def idle_problems(name, pp, idles):
@@ -162,8 +184,8 @@ def controls(step):
     whole = [[("B", e[1]) if is_split(e) else e for e in log if e[0] != "W"] for log in logs]  # each B with its W
     unsplit = bool(idle_problems("dualpipev", 4, [ideal_idle(whole, TIMES[1])]))
     layouts = [step.layout("dualpipev", 4, 8, 1, rank)[0] for rank in range(4)]
-    at_pass_end = bool(idle_problems("dualpipev", 4, (idle_of(passes_sent_at_pass_end(logs, times, layouts), 4)
-                                                      for times in TIMES)))
+    at_pass_end = bool(idle_problems("dualpipev", 4, [ideal_idle(logs, times, layouts=layouts, sends_at_pass_end=True,
+                                                                 waits_at_use=True) for times in TIMES]))
     counts = formulas.two_way_phases(4, 1, 8)
     counts[0], counts[1] = counts[1], counts[0]
     phases = observed_passes("dualpipev", 4, 1, logs[1]) != expected_passes("dualpipev", 4, 1, 8, counts)
