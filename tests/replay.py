@@ -12,9 +12,12 @@ functions, for every simulated rank of a pipeline. Two things are fake:
     tensor that says what it is, (kind, model chunk, microbatch).
 
 Each rank runs its schedule to the end alone. Then the ranks' posted operations
-are matched the way NCCL matches them:
+are matched under a conservative model of NCCL, stricter than PyTorch's backend
+(which runs a lone isend/irecv on a stream per peer pair, a batch on one stream
+of the group): an order that completes here also completes where fewer
+operations are ordered.
 
-  * a rank's operations complete in the order they were posted, as on one NCCL
+  * a rank's operations complete in the order they were posted, as if on one
     stream; the operations of one batch_isend_irecv are one fused group;
   * the k-th send from rank r to rank q meets the k-th receive on q from r;
   * a send and its receive can meet only when both are in the group at the head
