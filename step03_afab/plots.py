@@ -141,7 +141,9 @@ def draw_timeline(events, step: int, ax=None, title=None):
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, -0.6)
     ax.set_xlabel(f"time since the start of step {step} (ms)")
-    kinds = [k for k in COLORS if any(e["kind"] == k for e in step_events)]
+    # a kind is named only if one of its boxes is wide enough to see (a quarter of a character)
+    kinds = [k for k in COLORS if any(e["kind"] == k and 1e3 * (e["end"] - e["start"]) >= char_ms / 4
+                                      for e in step_events)]
     handles = [Patch(color=COLORS[k], label=k) for k in kinds]
     if chunks > 1:
         handles += [Patch(color=chunk_color("forward", c, chunks)[0], label=f"chunk {c} (label {c}:mb)")

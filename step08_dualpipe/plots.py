@@ -25,7 +25,7 @@ from matplotlib.patches import Patch, Rectangle
 from timeline import busy_fractions, measured_steps
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
-          "B": "tab:orange", "W": "tab:olive",  # step 08: a backward split into input and weight gradients
+          "B": "tab:pink", "W": "tab:olive",  # step 08: a backward split into input and weight gradients
           "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red",
           "tp allreduce": "black", "tp allgather": "tab:gray"}  # TP boxes sit inside forwards and backwards
 COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather")
@@ -149,7 +149,9 @@ def draw_timeline(events, step: int, ax=None, title=None):
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, -0.6)
     ax.set_xlabel(f"time since the start of step {step} (ms)")
-    kinds = [k for k in COLORS if any(e["kind"] == k for e in step_events)]
+    # a kind is named only if one of its boxes is wide enough to see (a quarter of a character)
+    kinds = [k for k in COLORS if any(e["kind"] == k and 1e3 * (e["end"] - e["start"]) >= char_ms / 4
+                                      for e in step_events)]
     handles = [Patch(color=COLORS[k], label=k) for k in kinds]
     if any(e["kind"] == PAIR for e in step_events):
         handles.append(Patch(fill=False, edgecolor="black", label="F&B pair"))
