@@ -3,7 +3,8 @@
     python tests/check_measures.py STEP_DIR   ->  prints a JSON report {check: problem or null}
 
   * the bubble (timeline.busy_fractions) on hand-built event lists: forwards,
-    backwards, recomputes, waits, several ranks and steps;
+    backwards, recomputes, waits, several ranks and steps; in step 08 a B and a W,
+    with a control that leaves W out of the busy time;
   * the timeline records nothing while disabled;
   * on CUDA (faked here: events stamped from a GPU clock set by hand) a span waits for
     nothing: one synchronize as a step starts and one as it ends, none while disabled,
@@ -45,6 +46,20 @@ def check_bubble(timeline):
     both = timeline.busy_fractions(events, 2, [0, 1])
     if both != [(a + b) / 2 for a, b in zip(expected[0], expected[1])]:
         return f"mean over steps 0 and 1: {both}"
+    return None
+
+
+def check_split_bubble(timeline):
+    """Step 08: a backward split into B and W is busy time in both parts. One rank, one step: forward 1, B 1, W 1
+    and a wait of 1 in a window of 4 is 3/4 busy. Control: with W left out of the compute kinds (the edit of
+    timeline.COMPUTE a broken busy time amounts to) the same events must not give 3/4."""
+    events = [event(0, 0, "forward", 0.0, 1.0), event(0, 0, "recv", 1.0, 2.0), event(0, 0, "B", 2.0, 3.0),
+              event(0, 0, "W", 3.0, 4.0)]
+    if timeline.busy_fractions(events, 1, [0]) != [3 / 4]:
+        return f"busy fractions {timeline.busy_fractions(events, 1, [0])} with B and W boxes, expected [0.75]"
+    with mock.patch.object(timeline, "COMPUTE", tuple(k for k in timeline.COMPUTE if k != "W")):
+        if timeline.busy_fractions(events, 1, [0]) == [3 / 4]:
+            return "control: a busy time without W gave 3/4 all the same"
     return None
 
 
@@ -228,6 +243,8 @@ def main(step_dir):
     on_cuda = partial(timeline.Timeline, 0, torch.device("cuda"))
     report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline),
                   cuda_timing=check_cuda_timing(on_cuda), cuda_timing_controls=check_cuda_timing_controls(timeline))
+    if "W" in timeline.COMPUTE:  # step 08's split backward
+        report["split_bubble"] = check_split_bubble(timeline)
     if os.path.exists(os.path.join(step_dir, "memory.py")):
         import memory
         report["meter"] = check_meter(memory)
