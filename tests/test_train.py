@@ -4,6 +4,7 @@ The training runs start their ranks with the environment torchrun gives them (ha
 test_under_torchrun_rank_0_alone_speaks runs torchrun itself."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,3 +307,28 @@ def test_a_stalled_peer_ends_the_run_with_one_line(step, layout, stalled_runs):
     assert last.startswith("error: rank 0") and f"(--timeout {STALL_TIMEOUT} s)" in last, err[-2000:]
     printed = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(records) == len(printed) >= 2, f"{len(printed)} steps printed, {len(records)} in the log"
+
+
+def ratio_problem(stdout: str, events, kinds=("forward", "B", "W")):
+    """Where the F:B:W that the report printed differs from the mean boxes of `kinds` in the run's trace
+    (the printed ratios have two decimals); None if they agree."""
+    printed = re.search(r"F:B:W = 1:([0-9.]+):([0-9.]+)", stdout)
+    boxes = [e for e in events if e["ph"] == "X"]
+    f, b, w = (sum(e["dur"] for e in boxes if e["cat"] == kind) / max(1, sum(e["cat"] == kind for e in boxes))
+               for kind in kinds)
+    expected = (b / f, w / f)
+    if printed is None or any(abs(float(p) - e) > 0.005 + 1e-9 for p, e in zip(printed.groups(), expected)):
+        return f"printed {printed and printed.group(0)}, the trace's {kinds} give 1:{expected[0]:.3f}:{expected[1]:.3f}"
+    return None
+
+
+@pytest.mark.parametrize("step, schedule", [(s, name) for s in ZB_STEPS for name in ("zb1p", "dualpipev")])
+def test_printed_pass_times_are_the_traces(step, schedule, step_dirs, tmp_path, replay_passes):
+    """The F:B:W that step 08's report prints beside zb1p's and DualPipe's formulas are the mean forward, B and
+    W boxes of the same run's trace. Control: the trace's forward, whole-backward and W boxes must not match."""
+    replay_passes(step)
+    trace = tmp_path / "trace.json"
+    stdout = train_py(step_dirs[step], 2, "--schedule", schedule, "--steps", "3", "--trace", str(trace), out=tmp_path)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert ratio_problem(stdout, events) is None, ratio_problem(stdout, events)
+    assert ratio_problem(stdout, events, ("forward", "backward", "W")) is not None
