@@ -66,10 +66,11 @@ def test_grid_layout_for_every_shape_up_to_64_ranks(step, step_dirs, tmp_path):
 
 @pytest.mark.parametrize("step", TP_STEPS)
 def test_each_split_layer_matches_the_operation_it_splits(step, step_dirs, tmp_path):
-    """Column, row, vocab-parallel embedding and cross-entropy, forward and backward, at 2 ranks, within
-    1e-6 relative (only the grouping of partial sums changes); the embedding and the initialisation,
-    which only pick rows and slices, bitwise. Each control (its all-reduce skipped, or the wrong rank's
-    slice) must fail."""
+    """Column, row, vocab-parallel embedding and cross-entropy (also with every vocabulary id as a target,
+    shard boundaries included, and with logits near 1000), forward and backward, at 2 ranks, within 1e-6
+    relative (only the grouping of partial sums changes); the embedding and the initialisation, which only
+    pick rows and slices, bitwise. Each control (its all-reduce skipped, the wrong rank's slice, the
+    vocabulary range off by one, the row maxima summed) must fail."""
     for rank, found in enumerate(run_checks(step_dirs[step], "blocks", 2, tmp_path)):
         for name, result in found.items():
             assert result["ok"], f"rank {rank}, {name}: relative error {result['rel']:.2e}"

@@ -7,13 +7,16 @@
 Run as ranks by test_tensor_parallel.py (through harness.launch); rank 0 writes
 what it found as JSON, which the test reads. Every check also runs on a broken
 variant, its negative control, which must fail: the all-reduce it depends on
-skipped (by wrapping the step's own tensor_parallel.all_reduce), or the wrong
-rank's slice taken. A check that cannot fail would pass both.
+skipped (by wrapping the step's own tensor_parallel.all_reduce), the wrong
+rank's slice taken, a vocabulary range off by one (the cross-entropy on every
+target id) or the row maxima summed (the cross-entropy on logits near 1000). A
+check that cannot fail would pass both.
 """
 import json
 import os
 import sys
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -97,14 +100,55 @@ def embedding(tpm, tp):
 
 def cross_entropy(tpm, tp):
     """Vocab-parallel cross-entropy: loss and logits gradient against F.cross_entropy on the full logits."""
-    logits = (inputs(24, 256, requires_grad=False) * 4).requires_grad_()
     targets = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(2))
+    return cross_entropy_pairs(tpm, tp, inputs(24, 256, requires_grad=False) * 4, targets)
+
+
+def cross_entropy_every_target(tpm, tp):
+    """Every vocabulary id once as a target: 0, each shard's first and last id, the vocabulary's last."""
+    return cross_entropy_pairs(tpm, tp, inputs(256, 256, requires_grad=False) * 4, torch.arange(256))
+
+
+def cross_entropy_large_logits(tpm, tp):
+    """Logits near 1000: exp() stays in range only when shifted by the true row maximum (a sum of the
+    shards' maxima shifts by about 2000, and every exp() underflows to 0)."""
+    targets = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(3))
+    return cross_entropy_pairs(tpm, tp, inputs(24, 256, requires_grad=False) + 1000, targets)
+
+
+def cross_entropy_pairs(tpm, tp, logits, targets):
+    """(got, expected) for the loss and this rank's slice of the logits gradient."""
+    logits = logits.requires_grad_()
     loss = F.cross_entropy(logits, targets)
     loss.backward()
     mine = logits.detach().chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
     loss_tp = tpm.vocab_parallel_cross_entropy(mine, targets, tp)
     loss_tp.backward()
     return [(loss_tp, loss.detach()), (mine.grad, logits.grad.chunk(tp.size, -1)[tp.rank])]
+
+
+@contextmanager
+def shifted_vocab_range(tp_module):
+    """The negative control of the boundary check: each rank's vocabulary range one id too high, as an
+    off-by-one in the owner test would make it (a shard's first id counted outside it)."""
+    real = tp_module.vocab_range
+    tp_module.vocab_range = lambda vocab_size, tp: tuple(i + 1 for i in real(vocab_size, tp))
+    try:
+        yield
+    finally:
+        tp_module.vocab_range = real
+
+
+@contextmanager
+def summed_maxima(tp_module):
+    """The negative control of the stability check: the shards' row maxima combined with SUM, not MAX."""
+    real = tp_module.all_reduce
+    tp_module.all_reduce = lambda x, tp, name, *a, **k: real(x, tp, name) if name == "loss max" else \
+        real(x, tp, name, *a, **k)
+    try:
+        yield
+    finally:
+        tp_module.all_reduce = real
 
 
 def init(model, tp, tie, wrong_rank=False):
@@ -121,8 +165,11 @@ def init(model, tp, tie, wrong_rank=False):
     return pairs
 
 
-BLOCKS = {"column": (column, "f backward"), "row": (row, "g forward"), "embedding": (embedding, "g forward"),
-          "cross_entropy": (cross_entropy, "loss max")}
+BLOCKS = {"column": (column, partial(skipping, what="f backward")), "row": (row, partial(skipping, what="g forward")),
+          "embedding": (embedding, partial(skipping, what="g forward")),
+          "cross_entropy": (cross_entropy, partial(skipping, what="loss max")),
+          "cross_entropy every target": (cross_entropy_every_target, shifted_vocab_range),
+          "cross_entropy large logits": (cross_entropy_large_logits, summed_maxima)}
 
 
 def blocks():
@@ -134,7 +181,7 @@ def blocks():
     found = {}
     for name, (check, control) in BLOCKS.items():
         found[name] = verdict(check(tpm, tp))
-        with skipping(tpm, control):
+        with control(tpm):
             found[name]["control"] = verdict(check(tpm, tp))
     for tie in (False, True):
         found[f"init tie={tie}"] = dict(verdict(init(model, tp, tie)), control=verdict(init(model, tp, tie, True)))
