@@ -332,3 +332,25 @@ def test_printed_pass_times_are_the_traces(step, schedule, step_dirs, tmp_path, 
     events = json.loads(trace.read_text())["traceEvents"]
     assert ratio_problem(stdout, events) is None, ratio_problem(stdout, events)
     assert ratio_problem(stdout, events, ("forward", "backward", "W")) is not None
+
+
+def trace_units_problem(events, records, unit_s=1e-6):
+    """Where a recorded step's extent in the trace, read in `unit_s` (the Chrome trace format's microseconds),
+    is not within a factor of 3 of the step time the log measured by the wall clock; None if every step is."""
+    boxes = [e for e in events if e["ph"] == "X"]
+    for step in sorted({e["args"]["step"] for e in boxes}):
+        mine = [e for e in boxes if e["args"]["step"] == step]
+        extent = (max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)) * unit_s
+        if not records[step]["step_time_s"] / 3 <= extent <= records[step]["step_time_s"] * 3:
+            return f"step {step}: {extent:.4g} s in the trace, {records[step]['step_time_s']:.4g} s by the wall clock"
+    return None
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_trace_is_in_microseconds(step, four_stage_run):
+    """The trace's ts and dur are microseconds: each recorded step spans in it about the wall-clock step time
+    of the log (within 3x; a trace in milliseconds would be 1000x off). Control: read as milliseconds, it fails."""
+    _, log, trace = four_stage_run(step)
+    events, records = json.loads(trace.read_text())["traceEvents"], read_log(log)
+    assert trace_units_problem(events, records) is None, trace_units_problem(events, records)
+    assert trace_units_problem(events, records, unit_s=1e-3) is not None
