@@ -2,6 +2,7 @@
 
     (4 ranks)  python tests/mp_checks.py STEP_DIR inf OUT.json
     (4 ranks)  python tests/mp_checks.py STEP_DIR norm OUT.json
+    (4 ranks)  python tests/mp_checks.py STEP_DIR scaled OUT.json
 
 inf:  after one step's backward, one gradient entry on rank 3 only is set to inf;
       every rank must skip the step, leave its half weights and fp32 masters bitwise
@@ -14,9 +15,14 @@ norm: the global norm the optimizer computes (fp32, --clip-grad 0.5) against
       and the names each rank counts, so the test can check each number counts once.
       Also whether the step scaled every gradient by exactly CLIP / (norm + 1e-6),
       Megatron's factor, computed here from the norm the step returned.
+scaled: the same under a loss scale (--loss-scale 1024 in fp32; fp16's dynamic scale): the norm
+      is that of the unscaled gradients, and the clip scales the unscaled gradients. Control:
+      the unscale made a no-op, so the norm is S times too large.
 """
 import os
 import sys
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 
@@ -62,9 +68,6 @@ def injected_inf(train, mixed_precision, device):
 
 
 def global_norm(train, mixed_precision, device, model, data):
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
     args = train.parse_args([*FLAGS, "--tie-embeddings", "--clip-grad", str(CLIP)])
     run = train.build(args, device)
     train.compute_gradients(run, 0)
@@ -73,15 +76,48 @@ def global_norm(train, mixed_precision, device, model, data):
     norm = run.optimizer.step()["grad_norm"]
     factor = CLIP / (norm + 1e-6)
     clipped = all(torch.equal(g, u * factor) for g, u in zip(run.optimizer.main_grads(), unclipped))
-    reference = None
-    if dist.get_rank() == 0:
-        net = model.Transformer(train.model_config(args), seed=args.seed)
-        inputs, targets = data.get_batch(data.load_tokens(args.data), 0, args.batch_size, args.seq_len, args.seed)
-        logits = net(inputs)
-        F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
-        reference = torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")).item()
-    return dict(norm=norm, reference=reference, counted=counted, tp_rank=run.pgm.tp_rank, clipped=clipped,
+    return dict(norm=norm, reference=reference_norm(train, model, data, args), counted=counted,
+                tp_rank=run.pgm.tp_rank, clipped=clipped,
                 splits={n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()})
+
+
+def reference_norm(train, model, data, args):
+    """On rank 0: the global norm of the single-device model's fp32 gradients for the first batch; else None."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    if dist.get_rank() != 0:
+        return None
+    net = model.Transformer(train.model_config(args), seed=args.seed)
+    inputs, targets = data.get_batch(data.load_tokens(args.data), 0, args.batch_size, args.seq_len, args.seed)
+    logits = net(inputs)
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+    return torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")).item()
+
+
+SCALED = {"constant": ["--loss-scale", "1024"], "fp16": ["--precision", "fp16"]}
+
+
+def scaled_norms(train, model, data, device):
+    """Under a loss scale S (a constant one in fp32, fp16's dynamic one): the grad_norm the step returns, and
+    whether it scaled every gradient by exactly CLIP / (norm + 1e-6) after the unscale, as a norm of the
+    unscaled gradients must. Control: the constant scale's step with its unscale made a no-op (the scaler's
+    inv_scale patched to 1), whose norm is S times too large."""
+    found = {}
+    for label, flags, unscale in (*((k, v, True) for k, v in SCALED.items()), ("control", SCALED["constant"], False)):
+        args = train.parse_args([*FLAGS, "--clip-grad", str(CLIP), *flags])
+        run = train.build(args, device)
+        train.compute_gradients(run, 0)
+        scale, inv_scale = run.optimizer.loss_scale, run.optimizer.scaler.inv_scale
+        unscaled = [g.clone().mul_(inv_scale) for g in run.optimizer.main_grads()]
+        patch = nullcontext() if unscale else mock.patch.object(type(run.optimizer.scaler), "inv_scale", 1.0)
+        with patch:
+            norm = run.optimizer.step()["grad_norm"]
+        factor = CLIP / (norm + 1e-6)
+        clipped = all(torch.equal(g, u.mul_(factor)) for g, u in zip(run.optimizer.main_grads(), unscaled))
+        found[label] = dict(norm=norm, scale=scale, clipped=clipped)
+    found["reference"] = reference_norm(train, model, data, train.parse_args([*FLAGS]))
+    return found
 
 
 def main(step_dir, mode, out):
@@ -94,8 +130,9 @@ def main(step_dir, mode, out):
     import train
 
     device = distributed.init_distributed("cpu", 60)
-    found = injected_inf(train, mixed_precision, device) if mode == "inf" else \
-        global_norm(train, mixed_precision, device, model, data)
+    found = {"inf": lambda: injected_inf(train, mixed_precision, device),
+             "norm": lambda: global_norm(train, mixed_precision, device, model, data),
+             "scaled": lambda: scaled_norms(train, model, data, device)}[mode]()
     write_per_rank(found, out)
     distributed.shutdown()
 

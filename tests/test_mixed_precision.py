@@ -13,6 +13,8 @@ from harness import REPO, launch
 
 MP_STEPS = [s for s in STEPS if s >= "step07"]
 CHECKS = REPO / "tests" / "mp_checks.py"
+FP16_NORM_REL = 1e-3  # two fp16 roundings (2 x 4.9e-4): its weights, activations and messages round to 11 bits;
+#                       measured 4.3e-5 on this model, against the scale times (65536 or 1024) a missed unscale gives
 
 
 def run_checks(step_dir, mode, tmp_path):
@@ -52,3 +54,20 @@ def test_global_norm_counts_every_number_once_and_clips(step, step_dirs, tmp_pat
         counts = sum(name in f["counted"] for f in found)
         split = next(f["splits"][name] for f in found if name in f["splits"])
         assert counts == (2 if split is not None else 1), (name, counts)
+
+
+@pytest.mark.parametrize("step", MP_STEPS)
+def test_clipping_under_a_loss_scale_sees_the_unscaled_gradients(step, step_dirs, tmp_path):
+    """tp 2 x pp 2, --clip-grad 0.5 under a loss scale: the logged grad_norm is the single-device fp32 norm,
+    1e-6 relative with a constant scale of 1024 in fp32 (a power of two: the unscale is exact), and within
+    FP16_NORM_REL in fp16 (its weights, activations and messages round to 11 bits); every rank scales its
+    unscaled gradients by exactly 0.5 / (norm + 1e-6). Control: with the unscale left out, the norm is the
+    scale times too large."""
+    found = run_checks(step_dirs[step], "scaled", tmp_path)
+    reference = found[0]["reference"]
+    assert reference > 0.5, "the check needs a norm above the clip, or clipping is a no-op"
+    for rank, f in enumerate(found):
+        assert abs(f["constant"]["norm"] - reference) <= 1e-6 * reference, (rank, f, reference)
+        assert abs(f["fp16"]["norm"] - reference) <= FP16_NORM_REL * reference, (rank, f, reference)
+        assert f["constant"]["clipped"] and f["fp16"]["clipped"], (rank, f)
+        assert abs(f["control"]["norm"] - reference) > FP16_NORM_REL * reference, (rank, f, reference)
