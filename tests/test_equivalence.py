@@ -63,6 +63,9 @@ CASES = [
     case("step07_mixed_precision", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "2",
          "--precision", "bf16"),
     case("step07_mixed_precision", 2, "--pp", "2", "--layers", "4", "--microbatches", "4"),
+    # Tied embeddings across stages in the half types: the two copies' gradients summed from fp32 main grads.
+    *[case(step, 2, "--pp", "2", "--layers", "4", "--microbatches", "2", "--tie-embeddings", "--precision", pr)
+      for step in ("step07_mixed_precision", "step08_dualpipe") for pr in ("bf16", "fp16")],
     # From 2^32 every fp16 gradient of the tiny model overflows: all three steps are skipped on every rank,
     # the weights stay as they were, and the scale goes 2^32, 2^32 (hysteresis), 2^31, as the reference's.
     case("step07_mixed_precision", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2",

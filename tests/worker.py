@@ -152,15 +152,21 @@ def reference_microbatched(args, out_case: Path, file="reference.pt"):
     """The whole model on one device in the run's type, computed as a pipeline computes it: microbatch
     by microbatch, each microbatch's loss scaled by S / m, its gradients added into fp32 sums in
     microbatch order, the replicas' sums added in replica order and divided by dp; unscaled, skipped on
-    any inf or nan, clipped, then AdamW on fp32 master weights, cast back into the (half) weights."""
+    any inf or nan, clipped, then AdamW on fp32 master weights, cast back into the (half) weights. Tied
+    embeddings: the head is a second copy of the embedding, as on a pipeline's last stage, and its fp32
+    sum is added to the embedding's (one master for both)."""
     import data
     import model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     cfg = model.ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
     net = model.Transformer(cfg, seed=args.seed).to(dtype)
+    tied = getattr(args, "tie_embeddings", False)
+    if tied:  # the last stage's copy of the embedding, as the head: its fp32 sum is added to the embedding's
+        with torch.no_grad():
+            net.head.weight.copy_(net.embed.weight)
     params = dict(net.named_parameters())
-    masters = {n: p.detach().float() for n, p in params.items()}
+    masters = {n: p.detach().float() for n, p in params.items() if not (tied and n == "head.weight")}
     optimizer = torch.optim.AdamW(masters.values(), lr=args.lr)
     scaler = Scaler(args)
     tokens, m, rows = data.load_tokens(args.data), args.microbatches, args.batch_size // args.dp
@@ -180,6 +186,8 @@ def reference_microbatched(args, out_case: Path, file="reference.pt"):
                     sums[n] += p.grad.float()
                     p.grad = None
             loss_sum += (replica_loss / m).item()
+            if tied:
+                sums["embed.weight"] = sums["embed.weight"] + sums.pop("head.weight")
             total = sums if total is None else {n: total[n] + sums[n] for n in sums}
         total = {n: g / args.dp for n, g in total.items()} if args.dp > 1 else total
         losses.append(loss_sum / args.dp)
@@ -197,8 +205,8 @@ def reference_microbatched(args, out_case: Path, file="reference.pt"):
         optimizer.step()
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(masters[n])
-    weights = {n: p.detach().clone() for n, p in params.items()}
+                p.copy_(masters["embed.weight" if tied and n == "head.weight" else n])
+    weights = {n: p.detach().clone() for n, p in params.items() if n in masters}
     torch.save(dict(losses=losses, grads=grads, weights=weights, masters=masters, scales=scales), out_case / file)
 
 
