@@ -168,6 +168,23 @@ def write_per_rank(found, out: str):
             json.dump(per_rank, f)
 
 
+def memory_report_problems(stdout: str, schedule: str, pp: int, dp: int, tp: int, m: int, v: int = 1, grid=None):
+    """Where train.py's printed memory report, one row a rank, is not each rank's own stage's formula:
+    rank r sits on stage r // (dp * tp) (Megatron-LM's order, TP fastest; grid(r) to test another order),
+    and its row names that stage and prints formulas.peak_stored of it, beside the measured count."""
+    import re
+
+    grid = grid or (lambda r: r // (dp * tp))
+    rows = re.findall(r"^  rank (\d+) \(stage (\d+)[^)]*\): (\d+) \(formula (\d+)\)", stdout, re.MULTILINE)
+    problems = [] if len(rows) == pp * dp * tp else [f"{len(rows)} memory rows printed for {pp * dp * tp} ranks"]
+    for rank, stage, measured, formula in (tuple(map(int, row)) for row in rows):
+        expected = formulas.peak_stored(schedule, pp, grid(rank), m, v)
+        if stage != grid(rank) or formula != expected or measured != expected:
+            problems.append(f"rank {rank}: row says stage {stage}, formula {formula}, measured {measured}; "
+                            f"it is stage {grid(rank)}, whose formula is {expected}")
+    return problems
+
+
 def memory_errors(case_dir: Path, world: int, label: str):
     """Each rank's measured peak of stored microbatches in step 0 against tests/formulas.py (from step 02)."""
     errors = []

@@ -7,7 +7,7 @@ import pytest
 
 import formulas
 from conftest import STEPS
-from harness import REPO, launch
+from harness import REPO, launch, memory_report_problems
 
 SCHEDULED = [s for s in STEPS if s >= "step04"]  # steps whose schedule.py offers a choice of schedules
 
@@ -82,7 +82,8 @@ MEMORY_CASES = [(step, "zb1p", 2, 2, 4, 1) if step >= "step08" else (step, "inte
 
 @pytest.mark.parametrize("step, schedule, pp, dp, m, v", MEMORY_CASES)
 def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, step_dirs, tmp_path, replay_passes):
-    """train.py's log reports each rank's peak of stored microbatches as the formula says; and each rank
+    """train.py's log and its printed report give each rank's peak of stored microbatches as its own stage's
+    formula says (with dp 2, rank r is stage r // 2); and each rank
     all-reduces its gradients once per step, after its last backward (after its last W, in zb1p: the
     weight gradients are complete only then)."""
     replay_passes(step)
@@ -92,7 +93,11 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
              "--steps", "2", "--deallocate", "--log-json", str(log), "--trace", str(trace), "--timeout", "60"]
     if v > 1:
         flags += ["--virtual-stages", str(v)]
-    launch([sys.executable, str(step_dirs[step] / "train.py"), *flags], pp * dp, tmp_path, timeout=120)
+    stdout = launch([sys.executable, str(step_dirs[step] / "train.py"), *flags], pp * dp, tmp_path, timeout=120)[0]
+    # the printed report, row by row (control: a report read with each rank on the wrong stage must differ)
+    assert not memory_report_problems(stdout, schedule, pp, dp, 1, m, v), memory_report_problems(stdout, schedule, pp,
+                                                                                                 dp, 1, m, v)
+    assert memory_report_problems(stdout, schedule, pp, dp, 1, m, v, grid=lambda r: r % pp)
     record = json.loads(log.read_text().splitlines()[-1])
     expected = [formulas.peak_stored(schedule, pp, rank // dp, m, v) for rank in range(pp * dp)]
     assert record["peak_stored_microbatches"] == expected

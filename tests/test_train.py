@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from conftest import STEPS
-from harness import REPO, RunFailed, free_port, launch, rank_env
+from harness import REPO, RunFailed, free_port, launch, memory_report_problems, rank_env
 
 SMOKE_STEPS = 4
+DEFAULT_M = 4  # --microbatches' default from step 02 on (README, the flags table)
 
 
 def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
@@ -105,11 +106,16 @@ TP_STEPS = [s for s in STEPS if s >= "step06"]
 
 @pytest.mark.parametrize("step", TP_STEPS)
 def test_tensor_parallel_grid_follows_the_losses_of_four_stages(step, step_dirs, four_stage_run, tmp_path):
-    """train.py --tp 2 --pp 2 on 4 ranks, with no other flags: the same losses as four stages."""
+    """train.py --tp 2 --pp 2 on 4 ranks, with no other flags: the same losses as four stages, and a memory
+    report whose row for each rank is its own stage's formula."""
     _, pipelined_log, _ = four_stage_run(step)
     stdout = train_py(step_dirs[step], 4, "--tp", "2", "--pp", "2", "--steps", str(SMOKE_STEPS),
                       "--log-json", str(tmp_path / "log.jsonl"), out=tmp_path)
     assert "(stage 1, dp 0, tp 1)" in stdout, "the report names each rank's place in the grid"
+    # the memory report, row by row: ranks 0-1 are stage 0, ranks 2-3 stage 1 (control: TP slowest must differ)
+    problems = memory_report_problems(stdout, "1f1b", 2, 1, 2, DEFAULT_M)
+    assert not problems, problems
+    assert memory_report_problems(stdout, "1f1b", 2, 1, 2, DEFAULT_M, grid=lambda r: r % 2)
     losses = [r["loss"] for r in read_log(tmp_path / "log.jsonl")]
     assert losses == pytest.approx([r["loss"] for r in read_log(pipelined_log)], rel=1e-5, abs=0)
 
