@@ -12,7 +12,9 @@
   * the activation meter on a known set of saved tensors, a recompute's stored input, and
     microbatches that are views of one storage (step 02 on);
   * --deallocate really frees an output's storage, checked on the tensor itself, and the
-    backward through the freed output still gives the same input gradient (step 04 on).
+    backward through the freed output still gives the same input gradient (step 04 on); the
+    activation meter's live bytes drop by exactly the output's bytes (control: a meter whose
+    forget does nothing).
 """
 import json
 import os
@@ -235,6 +237,27 @@ def check_deallocate(model, stage_module):
     return None
 
 
+def check_deallocate_meter(model, memory, stage_module):
+    """With --deallocate the meter stops counting a sent output: its live bytes drop by exactly the output's
+    bytes (and without it, not at all). Control: with the meter's forget made a no-op, the drop is missed."""
+    def freed(deallocate):
+        net, cfg = tiny_stage_model(model, first=False, last=False)
+        meter = memory.ActivationMeter(net)
+        stage = stage_module.PipelineStage(net, deallocate=deallocate, meter=meter)
+        out = stage.forward(0, torch.randn(2, cfg.seq_len, cfg.hidden), None)
+        size, live = out.untyped_storage().nbytes(), meter.live_bytes
+        stage.deallocate_output(0, out)
+        return live - meter.live_bytes, size
+
+    (dropped, size), (kept, _) = freed(True), freed(False)
+    if dropped != size or kept != 0:
+        return f"the meter dropped {dropped} bytes with --deallocate (the output has {size}), {kept} without"
+    with mock.patch.object(memory.ActivationMeter, "forget", lambda *args: None):
+        if freed(True)[0] == size:
+            return "control: a meter that forgets nothing still dropped the output's bytes"
+    return None
+
+
 def main(step_dir):
     sys.path.insert(0, os.path.abspath(step_dir))
     import model
@@ -256,6 +279,7 @@ def main(step_dir):
         report["recompute_input"] = check_recompute_input(model, memory, stage)
         if hasattr(stage.PipelineStage, "deallocate_output"):
             report["deallocate"] = check_deallocate(model, stage)
+            report["deallocate_meter"] = check_deallocate_meter(model, memory, stage)
     print(json.dumps(report))
 
 
