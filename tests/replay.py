@@ -411,6 +411,7 @@ def _check(configuration):
 
 def main(step_dir):
     from replay_controls import negative_controls  # these import this module, so not at the top
+    from timeout_count import check_timeout_count  # step 04 on
     from two_way import check_two_way  # step 08
     from weight_versions import check_pipedream  # step 04 on
 
@@ -426,6 +427,7 @@ def main(step_dir):
     print(json.dumps(dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
                           problem_count=len(problems), problems=problems[:50],
                           refused_but_safe=refused_but_safe[:50], **negative_controls(step),
+                          **check_timeout_count(step),
                           **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}),
                           **(check_two_way(step) if "dualpipe" in step.schedule.SCHEDULES else {}),
                           **(check_pipedream(step) if os.path.exists(os.path.join(step_dir, "pipedream.py"))

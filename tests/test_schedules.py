@@ -27,6 +27,15 @@ def test_replay_catches_broken_schedules(step, replay_report):
     assert len(controls) >= 3 and all(controls.values()), controls
 
 
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_timeout_line_counts_the_messages_of_this_step(step, replay_report):
+    """tests/timeout_count.py: a receive that times out in a rank's second step names activation 0, not the
+    count of the whole run (control: a begin_step that keeps the count must be caught)."""
+    report = replay_report(step)
+    assert report["timeout_count_problem"] is None, report["timeout_count_problem"]
+    assert report["timeout_count_control_caught"]
+
+
 ZERO_BUBBLE = [s for s in SCHEDULED if s >= "step08"]
 
 
