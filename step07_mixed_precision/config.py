@@ -26,8 +26,18 @@ class ConfigError(ValueError):
     """A flag value that breaks a rule of the run."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help as train.py's docstring lays it out (the launch line on a line of its own), and each flag's
+    default after its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(description=None):
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (tp x dp))")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
