@@ -59,7 +59,8 @@ def bubble_formula(args, times=None):
         chains = idle_chains(stages, f, b, w)
         longest = max(chains, key=chains.get)
         idle = chains[longest]
-        which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 else "0 (one rank per V)"
+        which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 \
+            else "0 (one rank per V)"
         text = (f"idle/(N(F+B+W)+idle), idle = {which}, PP = {stages} stages, N = {passes} passes, "
                 f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
         return text, idle / (passes * (f + b + w) + idle)

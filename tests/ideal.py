@@ -36,6 +36,7 @@ def ideal_passes(logs, times, layouts=None, sends_at_pass_end=False, waits_at_us
     know which pass made it); waits_at_use, a rank waits for a receive only right before the pass
     that consumes it.
     """
+    assert layouts or not sends_at_pass_end, "sends_at_pass_end needs the layouts, to know which pass made a send"
     per_rank = times if isinstance(times, list) else [times] * len(logs)
     match_of = _receive_keys(logs)
     left = defaultdict(list)  # (from, to) -> when each send left, in posting order
