@@ -61,6 +61,9 @@ def build_parser(description=None):
     p.add_argument("--deallocate", action="store_true",
                    help="free each output's storage once it is sent, keeping its autograd graph "
                    "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
+    p.add_argument("--pairs", default="overlapped",
+                   help="overlapped | sequential: dualpipe and dualpipev run a pair (F of one microbatch, B of "
+                   "another) as one unit, as DeepSeek does, or as F then B, each with its own transfers (CPU only)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
                    "activations and pipeline messages (fp32 master weights and gradient sums either way)")
     p.add_argument("--initial-loss-scale", type=float, default=2.0**16,
@@ -175,6 +178,19 @@ def check_two_way(args):
                           "are not summed in its stage layout (not supported)")
 
 
+def check_pairs(args, cuda_available: bool):
+    """--pairs sequential is DualPipe's, and a CPU's: on in-order streams (NCCL) its batches deadlock."""
+    if args.pairs not in ("overlapped", "sequential"):
+        raise ConfigError(f"--pairs {args.pairs} is unknown: use overlapped or sequential")
+    if args.pairs == "sequential" and args.schedule not in TWO_WAY:
+        raise ConfigError(f"--pairs sequential does not fit --schedule {args.schedule}: only dualpipe and "
+                          "dualpipev run forward-backward pairs")
+    if args.pairs == "sequential" and (args.device == "cuda" or args.device == "auto" and cuda_available):
+        raise ConfigError(f"--pairs sequential needs --device cpu (here --device {args.device} gives CUDA): "
+                          "a GPU overlaps a pair's two passes, and on NCCL's in-order streams the sequential "
+                          "pairs' batches deadlock (tests/replay.py); use --pairs overlapped")
+
+
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
     if args.schedule not in (*SCHEDULES, *PIPEDREAM):
@@ -283,6 +299,7 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_schedule(args)
     check_pipedream(args)
     check_device(args.device, cuda_available)
+    check_pairs(args, cuda_available)
     check_model(args)
     check_tensor_parallel(args)
     check_precision(args)

@@ -42,6 +42,12 @@ Communication, as DeepSeek's code does it: a transfer is queued when the schedul
 all queued transfers are committed in one batch right before the next compute (p2p.py), so a
 forward's send and a backward's receive of the other direction travel together. Once a batch is
 posted, the outputs it sends are freed, keeping their autograd graph (stage.deallocate_output).
+
+A pair is one unit: it waits for its forward's input and its backward's gradient together, and its
+outputs leave after both passes, because on a GPU the two passes overlap and end together. With no
+overlap (a CPU) that costs one F per link of the pipeline (idle_chains). --pairs sequential runs a
+pair as a forward and then a backward, each with its own commit; gloo runs it, while on in-order
+streams (the replay's model of NCCL, tests/replay.py) its batches deadlock, so it is CPU-only.
 """
 from collections import deque
 from functools import partial
@@ -70,10 +76,12 @@ class TwoWayRank:
     Each chunk runs its forwards, and its backwards, in microbatch order, so a counter per chunk says
     which microbatch is next. recv_forward, send_forward, recv_backward and send_backward queue a
     transfer of phase 0 or 1; forward, backward, forward_backward and weight commit the queue first.
+    sequential_pairs runs each pair as a forward and then a backward, each with its own commit.
     """
 
-    def __init__(self, stash, comm, v_shape: bool):
+    def __init__(self, stash, comm, v_shape: bool, sequential_pairs=False):
         pp, rank, m = comm.num_stages, comm.stage, len(stash.microbatches)
+        self.sequential_pairs = sequential_pairs
         self.stash, self.comm, self.stages = stash, comm, stash.stages
         self.mirrored = not v_shape and rank >= pp // 2  # DualPipe's lower half: phase 0 goes up
         self.v_turn = v_shape and rank == pp - 1  # chunk 0's output is chunk 1's input, with no message
@@ -176,6 +184,10 @@ class TwoWayRank:
     def forward_backward(self, phase0: int, phase1: int, recv0=True):
         """F of phase0 and B of phase1, two different microbatches going opposite ways: one pair, whose
         transfers go in the same batches. The stage's hook is where a GPU would overlap the two."""
+        if self.sequential_pairs:  # --pairs sequential: F's output leaves before B, B's gradient is waited for after F
+            self.forward(phase0, recv=recv0)
+            self.backward(phase1)
+            return
         if recv0:
             self.recv_forward(phase0)
         self.recv_backward(phase1)
@@ -251,29 +263,38 @@ def eight_phases(rank: TwoWayRank, n: int, i: int, k: int):
     assert not rank.waiting_w, "every W of the step has run"
 
 
-def idle_chains(stages: int, f, b, w) -> dict:
+def idle_chains(stages: int, f, b, w, sequential_pairs=False) -> dict:
     """Each rank's idle time in the order eight_phases runs, with pass times F, B, W (a pair's backward
-    whole, B + W) and free messages that leave where the code commits them: a pair's outputs when the
-    pair ends. It is the longest of six chains of dependent passes, each of n = PP/2 - 1 links (PP the
-    number of stages), the same on every rank and for every m; tests/two_way.py finds it exact in every
-    allowed configuration. n(2F+B-W) is the longest when F <= B <= (1 + 1/n)F and W <= B. That is one F
-    per link more than ZB-H1's n(F+B-W), because a pair is one unit both ways: it starts once every input
-    of its commit is there, its backward's gradient included, and sends when both its passes are done.
-    Replayed, changing only one of the two leaves the idle as it is at near-equal pass times; changing
-    both gives n(F+B-W) (tests/two_way.py).
-    DeepSeek's table writes (PP/2-1)(F&B+B-3W), B a whole backward: with a pair F&B = F + B + W (no
-    overlap), that is n(F+2B-W), the first chain when F = B."""
+    whole, B + W) and free messages that leave where the code commits them. It is the longest of a few
+    chains of dependent passes, each of n = PP/2 - 1 links (PP the number of stages), the same on every
+    rank and for every m; tests/two_way.py finds it exact in every allowed configuration.
+
+    A pair as DeepSeek runs it (the default) is one unit both ways: it starts once every input of its
+    commit is there, its backward's gradient included, and its outputs leave when both its passes are
+    done. Six chains; n(2F+B-W) is the longest when F <= B <= (1 + 1/n)F and W <= B, one F per link more
+    than ZB-H1's n(F+B-W). DeepSeek's table writes (PP/2-1)(F&B+B-3W), B a whole backward: with a pair
+    F&B = F + B + W (no overlap), that is n(F+2B-W), the first chain when F = B.
+
+    sequential_pairs (--pairs sequential): the pair's forward commits alone, so its output leaves
+    before the backward runs, and the backward waits for its gradient only then. Ten chains; in the same
+    range of times the longest is n(F+B-W), ZB-H1's."""
     n = stages // 2 - 1
     if n <= 0:  # one V of one rank (DualPipe's p = 2, DualPipeV's p = 1): nothing to wait for
         return {"0": 0}
+    if sequential_pairs:
+        return {"n(F+B-W)": n * (f + b - w), "nF": n * f, "nB-F": n * b - f, "2nB-nW-F": 2 * n * b - n * w - f,
+                "(n+1)F-B": (n + 1) * f - b, "(n+1)F+(n-1)B-nW": (n + 1) * f + (n - 1) * b - n * w,
+                "2nF-nB-(n-1)W": 2 * n * f - n * b - (n - 1) * w, "2nF-(2n-1)W": 2 * n * f - (2 * n - 1) * w,
+                "(2n+1)F-2B-(2n+1)W": (2 * n + 1) * f - 2 * b - (2 * n + 1) * w,
+                "(2n+1)F-(n+2)B-(n+1)W": (2 * n + 1) * f - (n + 2) * b - (n + 1) * w}
     return {"n(2F+B-W)": n * (2 * f + b - w), "(2n+1)F+(n-1)B-nW": (2 * n + 1) * f + (n - 1) * b - n * w,
             "(n-1)F+2nB-nW": (n - 1) * f + 2 * n * b - n * w, "2nF": 2 * n * f, "(2n+1)F-B": (2 * n + 1) * f - b,
             "(n-1)F+nB": (n - 1) * f + n * b}
 
 
-def run_two_way(stash, comm, v_shape: bool):
+def run_two_way(stash, comm, v_shape: bool, sequential_pairs=False):
     """One step of DualPipeV (v_shape) or DualPipe on this rank; returns the rank's share of the loss."""
-    rank = TwoWayRank(stash, comm, v_shape)
+    rank = TwoWayRank(stash, comm, v_shape, sequential_pairs)
     eight_phases(rank, *v_place(v_shape, comm.num_stages, comm.stage, len(stash.microbatches)))
     return stash.loss
 

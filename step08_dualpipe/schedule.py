@@ -31,6 +31,7 @@ The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
 """
 from collections import deque
+from functools import partial
 
 import torch
 
@@ -44,8 +45,9 @@ def bubble_formula(args, times=None):
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
     forward, B and W (measured in the same run; equal if left out). DualPipe and DualPipeV idle the
-    longest of six chains of n = PP/2-1 links (dualpipe.idle_chains), n(2F+B-W) for F <= B <= (1+1/n)F
-    and W <= B, beside N(F+B+W) of compute, N the passes of each kind a rank runs.
+    longest of a few chains of n = PP/2-1 links (dualpipe.idle_chains), n(2F+B-W) for F <= B <= (1+1/n)F
+    and W <= B (n(F+B-W) with --pairs sequential), beside N(F+B+W) of compute, N the passes of each kind a
+    rank runs.
     """
     if args.schedule == "zb1p":
         f, b, w = times or (1, 1, 1)
@@ -56,12 +58,12 @@ def bubble_formula(args, times=None):
         f, b, w = times or (1, 1, 1)
         stages = model_chunks(args, 0)[1]
         passes = 2 * args.microbatches if args.schedule == "dualpipev" else args.microbatches
-        chains = idle_chains(stages, f, b, w)
+        chains = idle_chains(stages, f, b, w, args.pairs == "sequential")
         longest = max(chains, key=chains.get)
         idle = chains[longest]
         which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 \
             else "0 (one rank per V)"
-        text = (f"idle/(N(F+B+W)+idle), idle = {which}, PP = {stages} stages, N = {passes} passes, "
+        text = (f"idle/(N(F+B+W)+idle), idle = {which} with --pairs {args.pairs}, PP = {stages} stages, N = {passes} passes, "
                 f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
         return text, idle / (passes * (f + b + w) + idle)
     if args.schedule == "interleaved":
@@ -323,20 +325,27 @@ def zb1p_forward_backward(stages, comm, microbatches):
     return stash.loss
 
 
-def dualpipe_forward_backward(stages, comm, microbatches):
+def dualpipe_forward_backward(stages, comm, microbatches, sequential_pairs=False):
     """DualPipe: half the microbatches enter at each end; the phase table of dualpipe.py."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, v_shape=False)
+    return run_two_way(Stash(stages, comm, microbatches), comm, False, sequential_pairs)
 
 
-def dualpipev_forward_backward(stages, comm, microbatches):
+def dualpipev_forward_backward(stages, comm, microbatches, sequential_pairs=False):
     """DualPipeV: every microbatch goes down the V and back up; the phase table of dualpipe.py."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, v_shape=True)
+    return run_two_way(Stash(stages, comm, microbatches), comm, True, sequential_pairs)
 
 
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
              "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward,
              "dualpipe": dualpipe_forward_backward, "dualpipev": dualpipev_forward_backward}
 TWO_WAY = ("dualpipe", "dualpipev")
+
+
+def schedule_of(args):
+    """The function that runs one step of args.schedule; DualPipe's with the pair placement of --pairs."""
+    if args.schedule in TWO_WAY:
+        return partial(SCHEDULES[args.schedule], sequential_pairs=args.pairs == "sequential")
+    return SCHEDULES[args.schedule]
 
 
 def model_chunks(args, stage: int):

@@ -129,7 +129,7 @@ def compute_gradients(run, step: int) -> float:
     for stage in run.stages:
         stage.loss_scale = run.optimizer.loss_scale
     run.comm.begin_step()
-    loss = schedule.SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    loss = schedule.schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     if run.args.schedule == "dualpipe":  # each stage's two copies saw one direction each
         names = [name for name, _ in run.model.named_parameters()]

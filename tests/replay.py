@@ -303,19 +303,20 @@ class Step:
         except self.config.ConfigError:
             return False
 
-    def replay(self, name, pp, m, ordering, virtual=1, dist=None, wrong_backward_on=None):
-        """Every rank's log for one configuration, and the fake transport that holds their streams."""
+    def replay(self, name, pp, m, ordering, virtual=1, dist=None, wrong_backward_on=None, **options):
+        """Every rank's log for one configuration, and the fake transport that holds their streams.
+        options go to the schedule function (step 08's DualPipe: sequential_pairs)."""
         dist = dist or FakeDist()
         real = self.p2p.dist
         self.p2p.dist = self.groups.dist = dist
         try:
-            logs = [self._replay_rank(name, pp, m, ordering, virtual, dist, rank, rank == wrong_backward_on)
+            logs = [self._replay_rank(name, pp, m, ordering, virtual, dist, rank, rank == wrong_backward_on, options)
                     for rank in range(pp)]
         finally:
             self.p2p.dist = self.groups.dist = real
         return logs, dist
 
-    def _replay_rank(self, name, pp, m, ordering, virtual, dist, rank, wrong_backward):
+    def _replay_rank(self, name, pp, m, ordering, virtual, dist, rank, wrong_backward, options):
         """One rank's schedule, run to the end on the fake transport; returns its log."""
         log = []
         dist.rank, dist.log = rank, log
@@ -327,7 +328,7 @@ class Step:
         if wrong_backward:
             swap_first_two_backwards(stages)
         microbatches = [(tag(TOKENS, 0, mb), None) for mb in range(m)]
-        self.schedule.SCHEDULES[name](stages, comm, microbatches)
+        self.schedule.SCHEDULES[name](stages, comm, microbatches, **options)
         return log
 
     def check(self, name, pp, m, ordering, virtual=1):
