@@ -4,7 +4,8 @@
 
 train.py prints `bubble_formula(args)` and `peak_stored_microbatches(args, stage)`, each a (text, value)
 pair from one function; this imports those functions from the step and compares their values. Step 08's
-zb1p, dualpipe and dualpipev formulas also take the measured F, B and W times; they are checked for several.
+zb1p, dualpipe and dualpipev formulas also take the measured F, B and W times; they are checked for several,
+dualpipe and dualpipev with each --pairs placement.
 PipeDream's (step 04 on) come from the step's pipedream.py, with its peak_versions, over run lengths and flags.
 """
 import importlib
@@ -17,6 +18,8 @@ import formulas
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
 TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5), (1.0, 3.0, 0.5), (1.0, 1.1, 2.0), (3.0, 1.0, 2.0),
          (1.0, 3.0, 4.0)]  # (F, B, W) for step 08's split schedules: each of DualPipe's six chains is longest in one
+TIMES_SEQUENTIAL = [(1.0, 1.0, 1.0), (1.0, 1.1, 0.1), (1.0, 1.1, 1.2), (1.0, 1.6, 1.75), (1.0, 1.6, 0.1), (1.0, 0.1, 1.0),
+                    (1.0, 0.6, 0.5), (1.0, 0.1, 0.5), (1.0, 0.3, 0.25), (1.0, 0.2, 0.1), (1.0, 0.1, 0.2)]  # --pairs sequential
 SPLIT = ("zb1p", "dualpipe", "dualpipev")
 PIPEDREAM_FLAGS = [[], ["--vertical-sync"], ["--no-weight-stashing"], ["--steps", "1"], ["--steps", "3"]]
 
@@ -33,7 +36,8 @@ def configurations(parser):
                     flags += ["--microbatches", str(m), "--batch-size", str(m)] if "microbatches" in options else []
                     flags += ["--schedule", schedule] if schedule else []
                     flags += ["--virtual-stages", str(v)] if v > 1 else []
-                    for extra in PIPEDREAM_FLAGS if schedule and schedule.startswith("pipedream") else [[]]:
+                    for extra in PIPEDREAM_FLAGS if schedule and schedule.startswith("pipedream") else \
+                            [[], ["--pairs", "sequential"]] if schedule in ("dualpipe", "dualpipev") else [[]]:
                         yield schedule, pp, m, v, flags + extra
 
 
@@ -55,9 +59,10 @@ def main(step_dir):
         if name.startswith("pipedream"):
             problems += pipedream_problems(importlib.import_module("pipedream"), args, f"{' '.join(flags)}")
             continue
-        for times in TIMES if name in SPLIT else [None]:  # their bubbles depend on the F, B, W times
+        sequential = getattr(args, "pairs", None) == "sequential"
+        for times in (TIMES_SEQUENTIAL if sequential else TIMES) if name in SPLIT else [None]:  # they take F, B, W
             text, value = module.bubble_formula(args, *[times] if times else [])
-            expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1))
+            expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1), sequential)
             if abs(value - expected) > 1e-12:
                 problems.append(f"{name} pp={pp} m={m} v={v}: bubble {text} = {value}, expected {expected}")
         for stage in range(pp) if hasattr(module, "peak_stored_microbatches") else []:

@@ -4,18 +4,18 @@ Tests hold what train.py prints (and what the replay measures) to these.
 """
 
 
-def bubble(schedule: str, pp: int, m: int, virtual: int = 1, times=None) -> float:
+def bubble(schedule: str, pp: int, m: int, virtual: int = 1, times=None, sequential_pairs=False) -> float:
     """Idle fraction of a rank's step: p-1 fill-and-drain slots beside the work slots.
 
     naive: one slot (the whole batch); GPipe, AFAB and 1F1B: m slots; interleaved: v*m slots.
     zb1p: the idle time (p-1)(F+B-W) beside the work m(F+B+W), with times = (F, B, W); DualPipe and
-    DualPipeV: two_way_idle beside the rank's passes.
+    DualPipeV: two_way_idle (two_way_sequential_idle with sequential_pairs) beside the rank's passes.
     """
     if schedule == "zb1p":
         idle = zb1p_idle(pp, *times)
         return idle / (m * sum(times) + idle)
     if schedule in ("dualpipe", "dualpipev"):  # each rank runs 2 chunks x m (DualPipe: x m/2) of each pass
-        idle = two_way_idle(two_way_stages(schedule, pp), *times)
+        idle = (two_way_sequential_idle if sequential_pairs else two_way_idle)(two_way_stages(schedule, pp), *times)
         passes = m if schedule == "dualpipe" else 2 * m
         return idle / (passes * sum(times) + idle)
     slots = {"naive": 1, "interleaved": virtual * m}.get(schedule, m)
@@ -87,6 +87,19 @@ def two_way_idle(stages: int, f, b, w):
         return 0
     return max(n * (2 * f + b - w), (2 * n + 1) * f + (n - 1) * b - n * w, (n - 1) * f + 2 * n * b - n * w,
                2 * n * f, (2 * n + 1) * f - b, (n - 1) * f + n * b)
+
+
+def two_way_sequential_idle(stages: int, f, b, w):
+    """The same, with each pair run as its forward and then its backward, each with its own commit (step 08's
+    --pairs sequential): the forward's output leaves before the backward, whose gradient is waited for only
+    then. The longest of ten chains of n = PP/2-1 links, found the same way; n(F+B-W), ZB-H1's, for
+    F <= B <= (1+1/n)F and W <= B. At n = 1 some chains coincide."""
+    n = stages // 2 - 1
+    if n <= 0:
+        return 0
+    return max(n * (f + b - w), n * f, n * b - f, 2 * n * b - n * w - f, (n + 1) * f - b,
+               (n + 1) * f + (n - 1) * b - n * w, 2 * n * f - n * b - (n - 1) * w, 2 * n * f - (2 * n - 1) * w,
+               (2 * n + 1) * f - 2 * b - (2 * n + 1) * w, (2 * n + 1) * f - (n + 2) * b - (n + 1) * w)
 
 
 def two_way_stages(schedule: str, pp: int) -> int:

@@ -53,12 +53,13 @@ def test_zb1p_ideal_timeline_idles_p_minus_1_times_f_plus_b_minus_w(step, replay
 def test_dualpipe_and_dualpipev_follow_the_eight_phases(step, replay_report):
     """tests/two_way.py: every allowed DualPipe (p = 2..8, even) and DualPipeV (p = 1..8) with m from 2p to
     2p+12: the phase counts, F before B before W, W's in FIFO order, messages matched, peak PP+1, the ideal
-    timeline's idle; DualPipeV's order equal to torch's ScheduleDualPipeV; and five controls caught."""
+    timeline's idle, with pairs as DeepSeek runs them and with --pairs sequential; DualPipeV's order equal to
+    torch's ScheduleDualPipeV; and six controls caught."""
     report = replay_report(step)
     assert report["two_way_configurations"] >= 100 and not report["two_way_problems"], report["two_way_problems"]
     assert report["torch_dualpipev_compared"] >= 40 and not report["torch_dualpipev_differences"], report
     controls = {k: v for k, v in report.items() if k.startswith("two_way_") and k.endswith(("_caught", "_deadlocks"))}
-    assert len(controls) == 5 and all(controls.values()), controls
+    assert len(controls) == 6 and all(controls.values()), controls
 
 
 @pytest.mark.parametrize("step", SCHEDULED)

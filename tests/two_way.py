@@ -12,16 +12,20 @@ fake transport of replay.py, and:
   * the ideal timeline, each message leaving where the code commits it, idles formulas.two_way_idle on
     every rank, in exact arithmetic, for pass times that make each of its six chains the longest; at
     near-equal times, sending each output as its pass ends or waiting for each receive only where it is
-    used leaves that idle as it is, and doing both gives ZB-H1's (PP/2-1)(F+B-W) (pair_problems).
+    used leaves that idle as it is, and doing both gives ZB-H1's (PP/2-1)(F+B-W) (pair_problems);
+  * with --pairs sequential (each pair run as F, then B, each with its own commit): the same passes and
+    tensors, messages matched as gloo matches them, its batches deadlocking on in-order streams, and its
+    ideal idle formulas.two_way_sequential_idle at times that make each of its ten chains the longest.
 
 DualPipeV's per-rank order, pairs included, must equal torch.distributed.pipelining's
 ScheduleDualPipeV.pipeline_order for p <= 4. Negative controls, which must be caught: an activation
 of one direction and a gradient of the other swapped inside one batch between two ranks; every
 rank posting its sends first, one at a time; the ideal-timeline check on DualPipeV's order with
 nothing split (every backward whole), and on an ideal timeline that sends each output as its pass
-ends and waits for each receive only where it is used; the phase check on a table with two phases'
-counts swapped.
+ends and waits for each receive only where it is used; the sequential pairs' formula held against the
+default order; the phase check on a table with two phases' counts swapped.
 """
+from collections import defaultdict
 from fractions import Fraction
 
 import formulas
@@ -38,6 +42,11 @@ HALF = Fraction(1, 2)
 TIMES = [dict(zip("FBW", map(Fraction, t))) for t in
          [(1, 1, 1), (1, Fraction(11, 10), HALF), (Fraction(3, 2), 1, HALF), (1, 2, HALF), (1, Fraction(11, 10), 2),
           (3, 1, 2), (1, 3, 4)]]
+# The same for --pairs sequential's ten chains (formulas.two_way_sequential_idle, n(F+B-W) first), each
+# alone the longest for every n from 2 to 7 (at n = 1 some chains coincide).
+TIMES_SEQUENTIAL = [dict(F=Fraction(1), B=Fraction(b), W=Fraction(w)) for b, w in
+                    [(1, 1), ("11/10", "1/10"), ("11/10", "6/5"), ("8/5", "7/4"), ("8/5", "1/10"), ("1/10", 1),
+                     ("3/5", "1/2"), ("1/10", "1/2"), ("3/10", "1/4"), ("1/5", "1/10"), ("1/10", "1/5")]]
 
 
 def place(name, pp, rank):
@@ -103,7 +112,37 @@ def check_configuration(step, name, pp, m):
             problems += [f"rank {rank}: {p}" for p in check_consumed(log)]
     problems += idle_problems(name, pp, [ideal_idle(logs, times) for times in TIMES])
     problems += pair_problems(step, name, pp, m, logs)
+    problems += sequential_problems(step, name, pp, m)
     return [f"{name} pp={pp} m={m}: {p}" for p in problems]
+
+
+def sequential_problems(step, name, pp, m):
+    """--pairs sequential: the same passes and tensors, its ideal idle the ten chains' longest; and on
+    in-order streams its batches deadlock whenever the pipeline has messages (why config.py keeps it
+    off CUDA). gloo matches each send with its receive whatever else was posted first (fill_in_pairs)."""
+    logs, dist = step.replay(name, pp, m, "batched", sequential_pairs=True)
+    deadlocks = any("deadlock" in p for p in match(dist.streams, pp))
+    problems = [] if deadlocks == (pp > 1) else [f"sequential pairs: deadlock on in-order streams {deadlocks}, "
+                                                 f"expected {pp > 1}"]
+    fill_in_pairs(dist.streams)
+    for rank, log in enumerate(logs):
+        problems += [f"sequential pairs, rank {rank}: {p}" for p in check_rank(name, pp, rank, m, log)]
+        problems += [f"sequential pairs, rank {rank}: {p}" for p in check_consumed(log)]
+    return problems + [f"sequential pairs: {p}" for p in idle_problems(
+        name, pp, [ideal_idle(logs, times) for times in TIMES_SEQUENTIAL], TIMES_SEQUENTIAL,
+        formulas.two_way_sequential_idle)]
+
+
+def fill_in_pairs(streams):
+    """Give every receive its send's content as gloo pairs them: the k-th send from rank r to q meets the
+    k-th receive on q from r, whatever else either rank posted before it."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for rank, groups in streams.items():
+        for op in (op for group in groups for op in group):
+            (sends[rank, op.peer] if op.is_send else recvs[op.peer, rank]).append(op)
+    for key, ops in recvs.items():
+        for send, recv in zip(sends[key], ops):
+            recv.content = send.tensor
 
 
 def pair_problems(step, name, pp, m, logs):
@@ -124,11 +163,11 @@ def pair_problems(step, name, pp, m, logs):
     return problems
 
 
-def idle_problems(name, pp, idles):
-    """Where each rank's idle time, one list per TIMES entry, differs from formulas.two_way_idle."""
+def idle_problems(name, pp, idles, all_times=TIMES, formula=formulas.two_way_idle):
+    """Where each rank's idle time, one list per entry of all_times, differs from the formula."""
     problems, stages = [], formulas.two_way_stages(name, pp)
-    for times, idle in zip(TIMES, idles):
-        expected = formulas.two_way_idle(stages, times["F"], times["B"], times["W"])
+    for times, idle in zip(all_times, idles):
+        expected = formula(stages, times["F"], times["B"], times["W"])
         problems += [f"ideal timeline with {times}: rank {r} idles {i}, expected {expected}"
                      for r, i in enumerate(idle) if i != expected]
     return problems
@@ -186,11 +225,14 @@ def controls(step):
     layouts = [step.layout("dualpipev", 4, 8, 1, rank)[0] for rank in range(4)]
     at_pass_end = bool(idle_problems("dualpipev", 4, [ideal_idle(logs, times, layouts=layouts, sends_at_pass_end=True,
                                                                  waits_at_use=True) for times in TIMES]))
+    sequential = bool(idle_problems("dualpipev", 4, [ideal_idle(logs, times) for times in TIMES_SEQUENTIAL],
+                                    TIMES_SEQUENTIAL, formulas.two_way_sequential_idle))
     counts = formulas.two_way_phases(4, 1, 8)
     counts[0], counts[1] = counts[1], counts[0]
     phases = observed_passes("dualpipev", 4, 1, logs[1]) != expected_passes("dualpipev", 4, 1, 8, counts)
     return dict(two_way_swapped_in_batch_caught=swapped, two_way_send_first_deadlocks=deadlocks,
                 two_way_unsplit_bubble_caught=unsplit, two_way_sent_at_pass_end_caught=at_pass_end,
+                two_way_overlapped_pairs_as_sequential_caught=sequential,
                 two_way_wrong_phases_caught=phases)
 
 
