@@ -9,21 +9,38 @@ import argparse
 import math
 import os
 import sys
+import tempfile
+import time
 from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 
+from budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
 from distributed import world_from_env
 from mixed_precision import DTYPES as PRECISIONS
 from model import ModelConfig
 from p2p import ORDERINGS
+import pipedream
+import schedule
 from pipedream import SCHEDULES as PIPEDREAM
 from schedule import SCHEDULES
 
 
 class ConfigError(ValueError):
     """A flag value that breaks a rule of the run."""
+
+
+REFUSAL_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after a refusal (refuse)
+MIN_TIMEOUT_S = 1.0  # --timeout's floor: the start-up's rendezvous runs under the same timeout
+MAX_SEED = (2**64 - 2**32) // 1_000_003  # model.py seeds with seed * 1_000_003 + crc32(name) < 2**64
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors (--pp x, an unknown flag) are refusals like any other: one line, exit 2."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -37,7 +54,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def build_parser(description=None):
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = Parser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (tp x dp))")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
@@ -84,23 +101,40 @@ def build_parser(description=None):
     p.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a rank waits for a peer before failing; must exceed one microbatch of one stage")
+                   help="seconds a rank waits for a peer before failing (at least 1). It must exceed the longest wait "
+                   "of the schedule: a message's trip through the other stages and back, about (p-1) x (F+B) with "
+                   "F and B one stage's forward and backward of one microbatch, and the slowest rank's start-up")
     return p
 
 
 def parse_flags(argv, description):
-    """Flags -> checked args. --help, a usage error or a broken rule prints on rank 0 only; every rank exits."""
+    """Flags -> checked args. --help prints on rank 0 only; a usage error or a broken rule ends every rank
+    with one `error:` line (refuse)."""
     rank, world, _ = world_from_env()
     parser = build_parser(description)
-    with open(os.devnull, "w") as sink, redirect_stdout(sink if rank else sys.stdout), \
-            redirect_stderr(sink if rank else sys.stderr):
-        args = parser.parse_args(argv)  # exits on --help and on a malformed flag
     try:
+        with open(os.devnull, "w") as sink, redirect_stdout(sink if rank else sys.stdout), \
+                redirect_stderr(sink if rank else sys.stderr):
+            args = parser.parse_args(argv)  # exits 0 after --help; a malformed flag raises ConfigError
         return check_config(args, world, torch.cuda.is_available())
     except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        refuse(err, rank)
+
+
+def refuse(err, rank: int):
+    """Print the one `error:` line and exit 2, in an order that makes the line certain under torchrun.
+
+    When one worker exits with an error, torchrun's agent stops all the others (SIGTERM). A rank that was
+    to print after a peer had exited could be stopped first, and nobody printed the line. So rank 0 alone
+    exits at once, after its line is written; every other rank waits, and torchrun stops it once rank 0
+    has exited. Whatever the order in which the ranks get here, the first to exit has printed the line:
+    no race is left to lose. A rank still waiting after REFUSAL_WAIT_S (started without torchrun, or rank 0
+    accepted the flags: ranks can disagree, e.g. on free memory) prints the line itself and exits.
+    """
+    if rank:
+        time.sleep(REFUSAL_WAIT_S)
+    print(f"error: {err}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def positive(args, *flags):
@@ -162,6 +196,9 @@ def check_precision(args):
         raise ConfigError(f"--precision {args.precision} is unknown: use {', '.join(PRECISIONS)}")
     if args.loss_scale is not None and not args.loss_scale > 0:
         raise ConfigError(f"--loss-scale {args.loss_scale} must be positive")
+    if args.loss_scale is not None and not math.isfinite(args.loss_scale):
+        raise ConfigError(f"--loss-scale {args.loss_scale} must be finite: every scaled gradient would overflow "
+                          "and every step be skipped")
     if not 0 < args.min_loss_scale <= args.initial_loss_scale < math.inf:
         raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
                           f"{args.initial_loss_scale} must satisfy 0 < min <= initial, finite")
@@ -210,9 +247,22 @@ def check_files(args):
     if size < args.seq_len + 2:
         raise ConfigError(f"{source} has {size} bytes, fewer than --seq-len {args.seq_len} + 2")
     for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
+        if path:
+            check_output(flag, path)
+
+
+def check_output(flag: str, path: str):
+    """An output must be writable now, not only when it is written (the trace: after the whole run)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: give a file name")
+    if not os.path.isdir(folder):
+        problem = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise ConfigError(f"{flag} {path}: the folder {folder} {problem}")
+    try:  # an existing file is opened to append, nothing else is touched; a new one is tried as a temporary
+        open(path, "a").close() if os.path.exists(path) else tempfile.NamedTemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise ConfigError(f"{flag} {path} cannot be written: {err.strerror} in {folder}") from None
 
 
 def check_numbers(args):
@@ -220,6 +270,37 @@ def check_numbers(args):
              "--layers", "--hidden", "--heads", "--steps", "--lr", "--timeout")
     if not math.isfinite(args.lr) or not math.isfinite(args.timeout):
         raise ConfigError(f"--lr {args.lr} and --timeout {args.timeout} must be finite")
+    if args.timeout < MIN_TIMEOUT_S:
+        raise ConfigError(f"--timeout {args.timeout} must be at least {MIN_TIMEOUT_S:g} s: it also bounds the "
+                          "start-up, where every rank must reach the rendezvous and connect to its peers")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"--seed {args.seed} must be between 0 and {MAX_SEED}: the weights' generators are "
+                          "seeded with seed x 1000003 + a 32-bit hash, which must fit in 64 bits")
+
+
+def check_memory(args, world: int, cuda_available: bool):
+    """Refuse a run whose memory lower bound (budget.py) exceeds what this machine, or each GPU, has."""
+    device = "cuda" if args.device == "cuda" or args.device == "auto" and cuda_available else "cpu"
+    _, _, local_rank = world_from_env()
+    per_stage = [sum(b.values()) for b in stages_bytes(args)]
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    need = machine_need(per_stage, world // args.pp, world, local_world, device)
+    limit, source = memory_available(device, local_rank)
+    if need > limit:
+        where = "on the largest stage's GPU" if device == "cuda" else f"for the {min(local_world, world)} ranks " \
+            "on this machine"
+        raise ConfigError(f"--batch-size {args.batch_size} --seq-len {args.seq_len} --hidden {args.hidden} "
+                          f"--layers {args.layers} need at least {need / 2**30:.1f} GiB {where} (parameters, "
+                          "AdamW state and the activations of the schedule's peak; budget.py), more than the "
+                          f"{limit / 2**30:.1f} GiB available ({source})")
+
+
+def stages_bytes(args):
+    """budget.stage_bytes of each stage, holding the peak stored (chunk, microbatch) pairs of its schedule's
+    formula, each of a chunk of layers / (pp x v) layers."""
+    module = pipedream if args.schedule in PIPEDREAM else schedule
+    v = args.virtual_stages
+    return [stage_bytes(args, module.peak_stored_microbatches(args, s)[1], args.pp * v, v) for s in range(args.pp)]
 
 
 def check_config(args, world_size: int, cuda_available: bool):
@@ -243,4 +324,5 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_tensor_parallel(args)
     check_precision(args)
     check_files(args)
+    check_memory(args, world_size, cuda_available)
     return args

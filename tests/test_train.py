@@ -206,7 +206,22 @@ CASES += [
          "dualpipev"),
     *bad(ZB_STEPS, 2, ["--schedule", "dualpipev", "--virtual-stages", "2"], "--virtual-stages 2",
          "--schedule dualpipev"),
+    *bad(ZB_STEPS, 2, ["--schedule", "dualpipev", "--pairs", "sideways"], "--pairs sideways", "overlapped or sequential"),
+    *bad(ZB_STEPS, 2, ["--schedule", "1f1b", "--pairs", "sequential"], "--pairs sequential", "--schedule 1f1b"),
 ]
+CASES += [
+    *bad(STEPS, 1, ["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+    *bad(STEPS, 1, ["--trace", "/"], "--trace /", "is a directory"),
+    *bad(STEPS, 1, ["--log-json", "/sys/log.jsonl"], "--log-json /sys/log.jsonl", "cannot be written"),
+    *bad(STEPS, 1, ["--trace", "/dev/null/trace.json"], "--trace /dev/null/trace.json", "/dev/null is not a folder"),
+    *bad(STEPS, 1, ["--seed", "-1"], "--seed -1", "64 bits"),
+    *bad(STEPS, 1, ["--seed", str(2**64)], f"--seed {2**64}", "64 bits"),
+    *bad(STEPS, 1, ["--timeout", "0.001"], "--timeout 0.001", "at least 1 s", "start-up"),
+    *bad(MP_STEPS, 1, ["--loss-scale", "inf"], "--loss-scale inf", "must be finite"),
+]
+SIZES = [["--seq-len", "100000", "--batch-size", "64"], ["--batch-size", "100000"], ["--hidden", "65536"],
+         ["--layers", "100000"]]  # each needs hundreds of GiB at least (budget.py), more than a test machine has
+CASES += [case for flags in SIZES for case in bad(STEPS, 4, flags, " ".join(flags[:2]), "need at least", "GiB available")]
 if not torch.cuda.is_available():
     CASES += bad(STEPS, 1, ["--device", "cuda"], "--device cuda", "no CUDA device")
 
@@ -360,3 +375,36 @@ def test_trace_is_in_microseconds(step, four_stage_run):
     events, records = json.loads(trace.read_text())["traceEvents"], read_log(log)
     assert trace_units_problem(events, records) is None, trace_units_problem(events, records)
     assert trace_units_problem(events, records, unit_s=1e-3) is not None
+
+
+ESTIMATE_FLOOR = 0.85  # budget.py leaves out the embedding, the head, the loss and the outputs a stage keeps
+
+
+def bound_problem(estimated, measured):
+    """Where an estimate is not a close lower bound of what was measured (ESTIMATE_FLOOR to 1); None if none."""
+    wrong = [f"rank {r}: {e:.0f} estimated, {m} measured" for r, (e, m) in enumerate(zip(estimated, measured))
+             if not ESTIMATE_FLOOR * m <= e <= m]
+    return "; ".join(wrong) or None
+
+
+@pytest.mark.parametrize("step", LATER)
+def test_memory_estimate_is_a_close_lower_bound(step, step_dirs, four_stage_run):
+    """The activations budget.py estimates per stage from the flags alone, against the activation meter's
+    peak in the default 4-rank run: at most the measured bytes, at least 85% of them; in step 08 the same for
+    the parameters (a quarter of the 16 bytes each: the fp32 weight) against the logged param_bytes.
+    Control: one stored microbatch more, or fewer, on every stage leaves the bound."""
+    _, log, _ = four_stage_run(step)
+    last = read_log(log)[-1]
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
+                           "--estimate", "4", "--steps", str(SMOKE_STEPS)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    estimates = json.loads(done.stdout)
+    activations, measured = [e["activations"] for e in estimates], last["peak_activation_bytes"]
+    assert bound_problem(activations, measured) is None, bound_problem(activations, measured)
+    for shift in (-1, 1):
+        shifted = [a * (n + shift) / n for a, n in zip(activations, last["peak_stored_microbatches"])]
+        assert bound_problem(shifted, measured) is not None, f"{shift:+d} stored microbatch is not caught"
+    if "param_bytes" in last:
+        weights = [e["parameters"] / 4 for e in estimates]
+        assert bound_problem(weights, last["param_bytes"]) is None, bound_problem(weights, last["param_bytes"])
