@@ -11,6 +11,9 @@ pipedream-2bw run the same order over the whole run with no flush, each stage
 updating its weights as it goes (pipedream.py).
 """
 import json
+import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -245,6 +248,21 @@ def report(run, last_record):
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
+def stop_if_diverged(record):
+    """A loss that is not finite (on a step no loss scaler skipped) does not come back: end every rank with
+    one line and exit code 3. The check reads the loss every rank already holds (share_loss), so all ranks
+    stop at the same step and the hot path pays one comparison. Rank 0 prints before the barrier: no rank
+    exits, and so no rank is stopped by torchrun, before the line is written."""
+    if math.isfinite(record["loss"]) or record.get("skipped"):
+        return
+    if dist.get_rank() == 0:
+        print(f"error: the loss is {record['loss']} at step {record['step']}: training diverged "
+              "(a lower --lr?)", file=sys.stderr, flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(3)  # as shutdown(): no teardown
+
+
 def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
@@ -260,6 +278,7 @@ def train(args):
                   f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
             if log:
                 log.write(json.dumps(record) + "\n")
+        stop_if_diverged(record)
     if log:
         log.close()
     report(run, record)
