@@ -8,8 +8,9 @@ previous stage waits for, and W, its Linear weights' gradients, which wait in a
 FIFO store (weight_grad_store.py) until the schedule finds idle time for them.
 --schedule zb1p runs 1F1B with stage s postponing s W's. --schedule dualpipe and
 dualpipev (dualpipe.py, DeepSeek-V3) send microbatches through the pipeline in two
-directions and pair a forward of one with a backward of the other. The other
-schedules run each backward whole, as in step 07.
+directions and pair a forward of one with a backward of the other (--pairs
+sequential, on a CPU: the pair's forward sends before its backward runs). The
+other schedules run each backward whole, as in step 07.
 """
 import json
 import math

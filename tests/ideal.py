@@ -24,7 +24,8 @@ def ideal_passes(logs, times, layouts=None, sends_at_pass_end=False, waits_at_us
     chunk (this rank's), mb, start, end, split.
 
     times: exact durations {"F", "B", "W"} (a backward that is not split takes B + W), or a list of
-    them, one per rank, for stages of unequal cost. A rank runs its log in order. Messages take no
+    them, one per rank, for stages of unequal cost; a rank's entry may also be a list of each of its
+    passes' durations, in the order it runs them (a measured run's own, pass by pass). A rank runs its log in order. Messages take no
     time, but leave where the code posts them: a send leaves at the rank's clock when its group is
     posted (DualPipe's commit, right before the rank's next compute, so a pair's outputs leave when
     the pair ends), and a rank that waits for a receive (logged where the code waits: DualPipe's
@@ -37,7 +38,8 @@ def ideal_passes(logs, times, layouts=None, sends_at_pass_end=False, waits_at_us
     that consumes it.
     """
     assert layouts or not sends_at_pass_end, "sends_at_pass_end needs the layouts, to know which pass made a send"
-    per_rank = times if isinstance(times, list) else [times] * len(logs)
+    per_rank = [list(t) if isinstance(t, list) else t for t in times] if isinstance(times, list) \
+        else [times] * len(logs)
     match_of = _receive_keys(logs)
     left = defaultdict(list)  # (from, to) -> when each send left, in posting order
     made = {}  # (rank, tag kind, global chunk, mb) -> when the pass that made that tensor ended
@@ -100,10 +102,10 @@ def _receive_keys(logs):
 
 
 def _box(rank, entry, start, t):
-    """One pass, started at `start`, with the rank's pass times t."""
+    """One pass, started at `start`, with the rank's pass times t (or its next measured duration, taken from t)."""
     kind, (chunk, mb), *_ = entry
     split = is_split(entry)
-    end = start + (t["B"] + t["W"] if kind == "B" and not split else t[kind])
+    end = start + (t.pop(0) if isinstance(t, list) else t["B"] + t["W"] if kind == "B" and not split else t[kind])
     return dict(rank=rank, kind=kind, chunk=chunk, mb=mb, start=start, end=end, split=split)
 
 
