@@ -28,7 +28,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from distributed import PeerTimeout
+import faults
+from faults import PeerGone, PeerTimeout
 
 
 class PipelineComm:
@@ -69,7 +70,8 @@ class PipelineComm:
                dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
                dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
                dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
-        arrived = partial(self._arrive, ops, *self._post(ops), from_prev, from_next)
+        posted = self._guarded(partial(self._post, ops), partial(self._timeout_message, ops))
+        arrived = partial(self._arrive, ops, *posted, from_prev, from_next)
         return arrived() if wait else arrived
 
     def _buffer(self):
@@ -109,10 +111,16 @@ class PipelineComm:
             self._complete([work], why)
 
     def _complete(self, works, why):
+        self._guarded(lambda: [work.wait() for work in works], why)
+
+    def _guarded(self, call, why):
+        """call() (post or wait); a failure becomes PeerGone if a peer's connection closed (its process ended,
+        no timeout expired), else PeerTimeout: --timeout expired. why(verb) says what this rank was doing."""
         try:
-            for work in works:
-                work.wait()
-        except RuntimeError as err:  # the process group's timeout expired
+            return call()
+        except RuntimeError as err:
+            if faults.kind_of(err) == "gone":
+                raise PeerGone(why("was waiting for"), sorted({self.prev_rank, self.next_rank} - {None})) from err
             raise PeerTimeout(why()) from err
 
     def _box(self, ops):
@@ -125,13 +133,13 @@ class PipelineComm:
         directions = {name.split()[0] for name in present}
         return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(present))
 
-    def _timeout_message(self, ops):
+    def _timeout_message(self, ops, verb="waited in vain for"):
         """Who waited for what: the k-th activation or gradient of this step, from which rank."""
         waits = [f"{what} {self.received[what]} of this step from rank {peer}" for what, peer, op in
                  (("activation", self.prev_rank, ops[1]), ("gradient", self.next_rank, ops[3])) if op is not None]
         waits += [f"rank {peer} to take {what}" for what, peer, op in
                   (("an activation", self.next_rank, ops[0]), ("a gradient", self.prev_rank, ops[2])) if op is not None]
-        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"
+        return f"rank {dist.get_rank()} (stage {self.stage}) {verb} {'; '.join(waits)}"
 
     def recv_forward(self):
         return None if self.is_first else self.communicate(recv_prev=True)[0]

@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import faults
+
 
 def world_from_env():
     """(rank, world_size, local_rank) as torchrun sets them; a plain `python` run is rank 0 of 1."""
@@ -39,6 +41,7 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
+    faults.start_heartbeat(timeout_s)  # each rank's sign of life, read by a rank that gives up (faults.py)
     return device
 
 
@@ -52,21 +55,16 @@ def reset_peak_memory(device: torch.device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-class PeerTimeout(RuntimeError):
-    """A peer did not answer within --timeout; the message says who waited for what."""
-
-
 @contextmanager
 def one_line_errors(timeout_s: float):
-    """A stalled peer ends this rank with one line on stderr and exit code 1, not a page of C++ frames."""
+    """A stalled or dead peer ends this rank with one line on stderr and exit code 1, not a page of C++ frames."""
     try:
         yield
-    except RuntimeError as err:  # gloo and NCCL report an expired timeout as a RuntimeError
-        if not isinstance(err, PeerTimeout) and "timed out" not in str(err).lower():
+    except RuntimeError as err:  # gloo and NCCL report an expired timeout or a closed connection so
+        line = faults.one_line(err, timeout_s)  # who stalled or died, and what this rank was doing
+        if line is None:
             raise
-        message = str(err) if isinstance(err, PeerTimeout) else (
-            f"rank {dist.get_rank()} timed out in a blocking send, receive or collective: a peer stalled or died")
-        print(f"error: {message} (--timeout {timeout_s:g} s)", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
         os._exit(1)  # no teardown: it would wait on the stalled peer again
 
 
@@ -78,6 +76,7 @@ def shutdown():
     abort a finished process ("terminate called without an active exception"). All output is
     written by now, so flush it and exit without that teardown.
     """
+    faults.stop_heartbeat()  # before rank 0, whose store it writes to, may leave
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -83,7 +83,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from distributed import PeerTimeout
+import faults
+from faults import PeerGone, PeerTimeout
 
 ORDERINGS = ("batched", "ordered")
 
@@ -132,7 +133,8 @@ class PipelineComm:
                dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
                dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
                dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
-        arrived = partial(self._arrive, ops, *self._post(ops), from_prev, from_next)
+        posted = self._guarded(partial(self._post, ops), partial(self._timeout_message, ops))
+        arrived = partial(self._arrive, ops, *posted, from_prev, from_next)
         return arrived() if wait else arrived
 
     def _buffer(self):
@@ -202,10 +204,16 @@ class PipelineComm:
             self._complete([work], why)
 
     def _complete(self, works, why):
+        self._guarded(lambda: [work.wait() for work in works], why)
+
+    def _guarded(self, call, why):
+        """call() (post or wait); a failure becomes PeerGone if a peer's connection closed (its process ended,
+        no timeout expired), else PeerTimeout: --timeout expired. why(verb) says what this rank was doing."""
         try:
-            for work in works:
-                work.wait()
-        except RuntimeError as err:  # the process group's timeout expired
+            return call()
+        except RuntimeError as err:
+            if faults.kind_of(err) == "gone":
+                raise PeerGone(why("was waiting for"), sorted({self.prev_rank, self.next_rank} - {None})) from err
             raise PeerTimeout(why()) from err
 
     def _box(self, ops):
@@ -220,13 +228,13 @@ class PipelineComm:
         return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(present),
                                   bytes=sent)
 
-    def _timeout_message(self, ops):
+    def _timeout_message(self, ops, verb="waited in vain for"):
         """Who waited for what: the k-th activation or gradient of this step, from which rank."""
         waits = [f"{what} {self.received[what]} of this step from rank {peer}" for what, peer, op in
                  (("activation", self.prev_rank, ops[1]), ("gradient", self.next_rank, ops[3])) if op is not None]
         waits += [f"rank {peer} to take {what}" for what, peer, op in
                   (("an activation", self.next_rank, ops[0]), ("a gradient", self.prev_rank, ops[2])) if op is not None]
-        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"
+        return f"rank {dist.get_rank()} (stage {self.stage}) {verb} {'; '.join(waits)}"
 
     def recv_forward(self):
         return None if self.is_first else self.communicate(recv_prev=True)[0]
@@ -279,8 +287,9 @@ class PipelineComm:
             return
         queued, self.queued = self.queued, []
         ops = [op for op, _ in queued]
+        why = partial(self._queued_timeout_message, queued)
         with self._batch_box(queued):
-            self._wait(dist.batch_isend_irecv(ops), ops, partial(self._queued_timeout_message, queued))
+            self._wait(self._guarded(partial(dist.batch_isend_irecv, ops), why), ops, why)
         self.received.update(what for op, what in queued if op.op != dist.isend)
 
     def _batch_box(self, queued):
@@ -293,7 +302,7 @@ class PipelineComm:
         return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names),
                                   bytes=sent)
 
-    def _queued_timeout_message(self, queued):
+    def _queued_timeout_message(self, queued, verb="waited in vain for"):
         """Who waited for what in a committed batch: the k-th activation or gradient of this step."""
         count, waits = Counter(self.received), []
         for op, what in queued:
@@ -302,4 +311,4 @@ class PipelineComm:
             else:
                 waits.append(f"{what} {count[what]} of this step from rank {op.peer}")
                 count[what] += 1
-        return f"rank {dist.get_rank()} (stage {self.stage}) waited in vain for {'; '.join(waits)}"
+        return f"rank {dist.get_rank()} (stage {self.stage}) {verb} {'; '.join(waits)}"
