@@ -55,6 +55,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from weight_grad_store import WeightGradStore
+
 PHASES = ("nF0", "nF0F1", "nB1W1F1", "nF0B1F1B0", "nB1F1B0", "nB1B0", "nWB0", "nW")
 
 
@@ -90,7 +92,6 @@ class TwoWayRank:
         self.inputs, self.output_grads = (deque(), deque()), (deque(), deque())  # per chunk, oldest first
         self.outputs, self.input_grads = (deque(), deque()), (deque(), deque())  # computed, not yet queued
         self.sent = []  # (chunk, mb) whose output travels in the next commit, then is freed
-        self.waiting_w = deque()  # (chunk, mb) of each B whose W waits in the store, oldest first
 
     def chunk(self, phase: int) -> int:
         return phase ^ self.mirrored
@@ -156,8 +157,6 @@ class TwoWayRank:
         self.passes["B"][chunk] += 1
         out_grad = None if self.stages[chunk].is_last else self.output_grads[chunk].popleft()
         input_grad = self.stash.backward(mb, out_grad, chunk, split)
-        if split:
-            self.waiting_w.append((chunk, mb))
         if self.v_turn and chunk == 1:  # the V turns back: chunk 0's output gradient, with no message
             self.output_grads[0].append(input_grad)
         elif self.receives_activation(chunk):
@@ -199,9 +198,9 @@ class TwoWayRank:
         self.send_backward(phase1)
 
     def weight(self):
-        """W of the oldest split B (the WeightGradStore is a FIFO)."""
+        """W of the oldest split B, whichever chunk ran it (the WeightGradStore knows)."""
         self.commit()
-        chunk, mb = self.waiting_w.popleft()
+        chunk, mb = WeightGradStore.oldest()
         self.stash.backward_weights(mb, chunk)
 
 
@@ -260,7 +259,7 @@ def eight_phases(rank: TwoWayRank, n: int, i: int, k: int):
     for _ in range(count["nW"]):
         rank.weight()
     rank.commit()
-    assert not rank.waiting_w, "every W of the step has run"
+    assert WeightGradStore.empty(), "every W of the step has run"
 
 
 def idle_chains(stages: int, f, b, w, sequential_pairs=False) -> dict:

@@ -36,6 +36,7 @@ from functools import partial
 import torch
 
 from dualpipe import idle_chains, run_two_way
+from weight_grad_store import WeightGradStore
 
 
 def bubble_formula(args, times=None):
@@ -116,7 +117,7 @@ class Stash:
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
         self.per_update = per_update or len(microbatches)
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
-        self.waiting = {}  # (chunk, mb) -> received output gradient, until the W (step 08)
+        self.gradients = {}  # (chunk, mb) -> the received output gradient a split B leaves to its W (step 08)
         self.losses = []  # last stage only: each microbatch's mean loss, in microbatch order
 
     def forward(self, mb, x, chunk=0):
@@ -143,7 +144,7 @@ class Stash:
             out_grad = torch.full_like(out, stage.loss_scale / self.per_update)
         input_grad = stage.backward(mb, x, out, out_grad, split)
         if split:  # the stage's last Linear reads the received gradient as its dy in W: keep it until then
-            self.waiting[chunk, mb] = received[1]
+            self.gradients[chunk, mb] = received[1]
             received = received[:1]
         self.comm.recycle(*received)
         return input_grad
@@ -151,7 +152,7 @@ class Stash:
     def backward_weights(self, mb, chunk=0):
         """W of mb (step 08); then the gradient buffer its B received can take the next message."""
         self.stages[chunk].backward_weights(mb)
-        self.comm.recycle(self.waiting.pop((chunk, mb)))
+        self.comm.recycle(self.gradients.pop((chunk, mb)))
 
     def deallocate(self, mb, chunk=0):
         """mb's output has been sent: its values may go (see PipelineStage.deallocate_output)."""
@@ -322,6 +323,7 @@ def zb1p_forward_backward(stages, comm, microbatches):
 
     for mb in range(m - stage, m):  # the W's this stage postponed
         stash.backward_weights(mb)
+    assert WeightGradStore.empty(), "every W of the step has run"
     return stash.loss
 
 

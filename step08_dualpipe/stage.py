@@ -107,7 +107,7 @@ class PipelineStage:
         and the microbatch keeps what they need (each Linear's input and output gradient) until then.
         """
         key = (self.chunk, mb)
-        with self.timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(split):
+        with self.timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
             custom_backward(out, out_grad)
             if self.versions:  # PipeDream: the gradient goes to the live weights, maybe an update (timed as B)
                 self.versions.backward_done(mb)
@@ -118,9 +118,9 @@ class PipelineStage:
         return None if self.is_first else x.grad
 
     def backward_weights(self, mb):
-        """W of microbatch mb: the oldest waiting weight gradients, which the schedule knows are mb's."""
+        """W of microbatch mb, which must be the oldest waiting in the WeightGradStore."""
         with self.timeline.span("W", mb, chunk=self.chunk):
-            WeightGradStore.pop()
+            WeightGradStore.pop((self.chunk, mb))
         self.meter.release((self.chunk, mb))
 
     def overlapped_forward_backward(self, forward, backward):

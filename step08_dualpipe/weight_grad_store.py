@@ -10,9 +10,9 @@ so a schedule may run B at once and W whenever the stage would otherwise idle
 the split lives in the Linear layer itself: `linear` is an autograd function
 whose backward always returns dx, and either computes dW at once or, while
 deferring, queues it as a closure in the WeightGradStore. One backward's
-closures form one W; `pop` runs the oldest W, so W's run in the order of their
-B's and each weight gradient sums its microbatches in the same order as an
-undivided backward would.
+closures form one W, filed under its (chunk, microbatch); `pop` runs the oldest
+W, so W's run in the order of their B's and each weight gradient sums its
+microbatches in the same order as an undivided backward would.
 
 Only the Linear weights wait. The RMSNorm gains and the embedding get their
 gradients during B, from autograd as before: they are a few vectors and one
@@ -34,50 +34,54 @@ import torch.nn.functional as F
 
 
 class WeightGradStore:
-    """This process's FIFO of deferred weight-gradient work (a rank runs one pipeline position)."""
+    """This process's weight gradients still to compute: one W per split B, keyed by (chunk, microbatch),
+    oldest first. It is the one record of which W's wait: a schedule asks it for the oldest, runs that,
+    and ends its step with the store empty."""
 
     deferring = False  # while True, linear's backward queues dW instead of computing it
     cache = []  # closures of the backward now running
-    queue = deque()  # one W (a list of closures) per finished backward, oldest first
+    queue = deque()  # ((chunk, mb), closures) per split B, oldest first
 
     @classmethod
     def put(cls, closure):
         cls.cache.append(closure)
 
     @classmethod
-    def flush(cls):
-        """The backward that queued the cached closures has ended: they form one W."""
-        cls.queue.append(cls.cache)
-        cls.cache = []
-
-    @classmethod
-    def pop(cls):
-        """Run the oldest W."""
-        assert cls.queue, "W before its B: no weight gradients are waiting"
-        for closure in cls.queue.popleft():
-            closure()
-
-    @classmethod
-    def held(cls):
-        """The tensors the newest W keeps alive until it runs: each Linear's output gradient and input."""
-        return [t for closure in cls.queue[-1] for t in closure.args[1:]]
-
-    @classmethod
-    def pending(cls) -> int:
-        """How many W's wait (the schedules must leave none at the end of a step)."""
-        return len(cls.queue)
-
-    @classmethod
     @contextmanager
-    def split(cls, enabled: bool = True):
-        """Within the block, queue the weight gradients of one backward (a B), then flush them as one W."""
+    def split(cls, key, enabled: bool = True):
+        """Within the block, queue the weight gradients of one backward (a B); then file them as the W of
+        key, (chunk, microbatch)."""
         cls.deferring = enabled
         try:
             yield
         finally:
             cls.deferring = False
         if enabled:
-            cls.flush()
+            cls.queue.append((key, cls.cache))
+            cls.cache = []
+
+    @classmethod
+    def oldest(cls):
+        """(chunk, microbatch) of the W that runs next."""
+        assert cls.queue, "W before its B: no weight gradients are waiting"
+        return cls.queue[0][0]
+
+    @classmethod
+    def pop(cls, key):
+        """Run the W of key, which must be the oldest: W's run in the order of their B's."""
+        assert cls.oldest() == key, f"W of {key} before the W of {cls.oldest()}, whose B ran first"
+        for closure in cls.queue.popleft()[1]:
+            closure()
+
+    @classmethod
+    def held(cls):
+        """The tensors the newest W keeps alive until it runs: each Linear's output gradient and input."""
+        return [t for closure in cls.queue[-1][1] for t in closure.args[1:]]
+
+    @classmethod
+    def empty(cls) -> bool:
+        """No W waits: a split schedule's step ends so."""
+        return not cls.queue
 
 
 def accumulate_weight_grad(weight, grad_output, x):

@@ -171,8 +171,8 @@ def match(streams, n_ranks):
 class FakeStage:
     """Records its forwards and backwards, checks what it was given, returns tagged tensors."""
 
-    def __init__(self, log, dist, chunk, global_chunk, n_chunks, microbatches):
-        self.log, self.dist, self.chunk, self.g = log, dist, chunk, global_chunk
+    def __init__(self, log, dist, chunk, global_chunk, n_chunks, microbatches, store=None):
+        self.log, self.dist, self.chunk, self.g, self.store = log, dist, chunk, global_chunk, store
         self.is_first, self.is_last = global_chunk == 0, global_chunk == n_chunks - 1
         self.recompute, self.microbatches = False, microbatches
         self.loss_scale = 1.0  # step 07: what the last stage's backward is seeded with, times 1/m
@@ -190,6 +190,9 @@ class FakeStage:
 
     def backward(self, mb, x, out, out_grad, split=False):
         self.log.append(("B", (self.chunk, mb), "split") if split else ("B", (self.chunk, mb)))  # step 08: W later
+        if split:  # a W with nothing to compute, filed where the schedule will look for it
+            with self.store.split((self.chunk, mb)):
+                pass
         if self.is_last:  # the schedule seeds the loss's backward with 1/m
             expected = torch.full_like(out_grad, 1 / self.microbatches)
         else:
@@ -199,6 +202,7 @@ class FakeStage:
 
     def backward_weights(self, mb):
         self.log.append(("W", (self.chunk, mb)))
+        self.store.pop((self.chunk, mb))
 
     def deallocate_output(self, mb, out):
         pass
@@ -278,6 +282,8 @@ class Step:
         self.config, self.p2p, self.groups = config, p2p, process_groups
         self.schedule, self.timeline = schedule, timeline
         self.parser = config.build_parser()
+        # Step 08: the store of pending W's, which the fake stages fill and empty as real ones do
+        self.store = sys.modules["weight_grad_store"].WeightGradStore if "weight_grad_store" in sys.modules else None
 
     def args(self, name, pp, m, virtual, ordering, extra=()):
         flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
@@ -324,7 +330,9 @@ class Step:
         kwargs = {} if ordering is None else {"ordering": ordering}
         comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", self.timeline.Timeline(enabled=False), **kwargs)
         chunks, n_chunks = self.layout(name, pp, m, virtual, rank)
-        stages = [FakeStage(log, dist, c, g, n_chunks, m) for c, g in enumerate(chunks)]
+        stages = [FakeStage(log, dist, c, g, n_chunks, m, self.store) for c, g in enumerate(chunks)]
+        if self.store:
+            self.store.queue.clear()  # a schedule that failed before leaves its W's behind
         if wrong_backward:
             swap_first_two_backwards(stages)
         microbatches = [(tag(TOKENS, 0, mb), None) for mb in range(m)]

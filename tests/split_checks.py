@@ -65,7 +65,7 @@ def main(step_dir, out):
         for dtype in (torch.float32, torch.bfloat16):
             whole = gradients(build(modules, tp, dtype), batches, split=False)
             split = gradients(build(modules, tp, dtype), batches, split=True)
-            left = WeightGradStore.pending()
+            left = len(WeightGradStore.queue)
             unrun = gradients(build(modules, tp, dtype), batches, split=True, run_weights=False)
             WeightGradStore.queue.clear()  # the control's W's, never to run
             found[f"tp{tp} {dtype}"] = dict(equal=same(whole, split), store_empty=left == 0,

@@ -4,6 +4,7 @@ The schedule built on it, zb1p, is replayed in test_schedules.py and checked aga
 references in test_equivalence.py.
 """
 import json
+import subprocess
 import sys
 
 import pytest
@@ -26,3 +27,34 @@ def test_b_then_w_equals_one_backward_bitwise(step, step_dirs, tmp_path):
         for case, result in found.items():
             assert result["equal"] and result["store_empty"], (rank, case, result)
             assert not result["control_equal"] and result["deferred"] > 0, (rank, case, result)
+
+
+ORDER_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from weight_grad_store import WeightGradStore
+ran = []
+for key in [(0, 0), (1, 0)]:  # two split B's: chunk 0 then chunk 1 of microbatch 0
+    with WeightGradStore.split(key):
+        WeightGradStore.put(lambda key=key: ran.append(key))
+order = [(0, 0), (1, 0)] if sys.argv[2] == "in order" else [(1, 0), (0, 0)]
+try:
+    print(WeightGradStore.oldest(), end=" ")
+    for key in order:
+        WeightGradStore.pop(key)
+    print("ran", ran, "empty", WeightGradStore.empty())
+except AssertionError as err:
+    print("refused:", err)
+"""
+
+
+@pytest.mark.parametrize("step", SPLIT_STEPS)
+def test_store_runs_each_w_under_its_key_oldest_first(step, step_dirs):
+    """The store files each W under its (chunk, microbatch), says which is oldest, runs them in the order of
+    their B's and ends empty. Control: asking for the newer W first is refused, naming both."""
+    def run(order):
+        done = subprocess.run([sys.executable, "-c", ORDER_CHECK, str(step_dirs[step]), order],
+                              capture_output=True, text=True, timeout=60)
+        return done.stdout.strip()
+    assert run("in order") == "(0, 0) ran [(0, 0), (1, 0)] empty True"
+    assert run("newest first") == "(0, 0) refused: W of (1, 0) before the W of (0, 0), whose B ran first"
