@@ -6,9 +6,10 @@ The schedule decides *when*; the stage knows *how*:
     input_grad = stage.backward(mb, x, output, output_grad)
 
 On the last stage the output is the microbatch's mean loss, and the schedule
-passes output_grad = 1/m, the gradient of the batch's mean loss with respect to
-one microbatch's mean loss: summed over the m backwards, the gradients are those
-of the whole batch (all microbatches hold the same number of tokens).
+passes output_grad = S/m: 1/m is the gradient of the batch's mean loss with
+respect to one microbatch's mean loss, so that summed over the m backwards the
+gradients are those of the whole batch (all microbatches hold the same number of
+tokens), and S is the loss scale (stage.loss_scale; 1 in fp32 and bf16).
 
 With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
