@@ -60,15 +60,17 @@ from weight_grad_store import WeightGradStore
 PHASES = ("nF0", "nF0F1", "nB1W1F1", "nF0B1F1B0", "nB1F1B0", "nB1B0", "nWB0", "nW")
 
 
-def phase_counts(n: int, i: int, k: int) -> dict:
-    """How often each phase repeats at place i of a V of n ranks that k microbatches cross."""
-    below = n - i - 1  # ranks of the V below this one
-    return dict(nF0=2 * below, nF0F1=i + 1, nB1W1F1=below, nF0B1F1B0=k - 2 * n + i + 1,
-                nB1F1B0=below, nB1B0=i + 1, nWB0=below, nW=i + 1)
+def phase_counts(v_ranks: int, place: int, crossing: int) -> dict:
+    """How often each phase repeats at a rank's place (i) in a V of v_ranks ranks (n) that crossing
+    microbatches (k) cross."""
+    below = v_ranks - place - 1  # ranks of the V below this one
+    return dict(nF0=2 * below, nF0F1=place + 1, nB1W1F1=below, nF0B1F1B0=crossing - 2 * v_ranks + place + 1,
+                nB1F1B0=below, nB1B0=place + 1, nWB0=below, nW=place + 1)
 
 
-def v_place(v_shape: bool, pp: int, rank: int, m: int):
-    """(n, i, k) of a rank: its V's ranks, its place in it, and the microbatches that cross it."""
+def place_in_v(v_shape: bool, pp: int, rank: int, m: int):
+    """(v_ranks, place, crossing), the table's (n, i, k): how many ranks the rank's V has, the rank's place
+    in it, and how many microbatches cross it."""
     return (pp, rank, m) if v_shape else (pp // 2, min(rank, pp - 1 - rank), m // 2)
 
 
@@ -204,15 +206,15 @@ class TwoWayRank:
         self.stash.backward_weights(mb, chunk)
 
 
-def eight_phases(rank: TwoWayRank, n: int, i: int, k: int):
+def eight_phases(rank: TwoWayRank, v_ranks: int, place: int, crossing: int):
     """The phase table, in the order DeepSeek's DualPipe and DualPipeV run it.
 
     The V's turn (DualPipeV's last rank, DualPipe's two middle ranks) sends its newest phase-0
     output at once in phase 2 and splits phase 4's first pair, so that the turn's microbatch can
     start back up before this rank's next forward.
     """
-    count = phase_counts(n, i, k)
-    turn = i == n - 1
+    count = phase_counts(v_ranks, place, crossing)
+    turn = place == v_ranks - 1
     for _ in range(count["nF0"]):
         rank.forward(0)
 
@@ -247,9 +249,9 @@ def eight_phases(rank: TwoWayRank, n: int, i: int, k: int):
 
     split = False  # from half-way through phase 6 every B leaves its W for phases 7 and 8
     for j in range(count["nB1B0"]):
-        split = split or (j == count["nB1B0"] // 2 and i % 2 == 1)
+        split = split or (j == count["nB1B0"] // 2 and place % 2 == 1)
         rank.backward(1, split=split)
-        split = split or (j == count["nB1B0"] // 2 and i % 2 == 0)
+        split = split or (j == count["nB1B0"] // 2 and place % 2 == 0)
         rank.backward(0, split=split)
 
     for _ in range(count["nWB0"]):
@@ -294,7 +296,7 @@ def idle_chains(stages: int, f, b, w, sequential_pairs=False) -> dict:
 def run_two_way(stash, comm, v_shape: bool, sequential_pairs=False):
     """One step of DualPipeV (v_shape) or DualPipe on this rank; returns the rank's share of the loss."""
     rank = TwoWayRank(stash, comm, v_shape, sequential_pairs)
-    eight_phases(rank, *v_place(v_shape, comm.num_stages, comm.stage, len(stash.microbatches)))
+    eight_phases(rank, *place_in_v(v_shape, comm.num_stages, comm.stage, len(stash.microbatches)))
     return stash.loss
 
 
