@@ -26,6 +26,9 @@ from timeline import Timeline
 
 
 class PipelineStage:
+    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
+    (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
+
     def __init__(self, model, *, chunk=0, recompute=False, timeline=None, meter=None):
         self.model, self.chunk, self.recompute = model, chunk, recompute
         self.is_first, self.is_last = model.first, model.last

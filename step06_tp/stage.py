@@ -52,6 +52,10 @@ def custom_backward(out, grad):
 
 
 class PipelineStage:
+    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch,
+    with recompute, deallocation of sent outputs and PipeDream's weight versions (see the module's docstring).
+    It holds no schedule state: which microbatch runs when is the schedule's."""
+
     def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None,
                  versions=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
