@@ -81,8 +81,7 @@ class WeightVersions:
     every: backwards per update. stashing: False leaves every version in the live storage, which
     each update overwrites. before_step: run before each optimizer step (the data-parallel average).
     PipelineStage calls forward(mb) for the weights of mb's forward and backward_done(mb) after its
-    backward. `log` records ("F", mb, version read), ("B", mb, version the weights it reads now
-    hold) and ("U", new version); the tests replay it.
+    backward.
     """
 
     def __init__(self, model, optimizer, microbatches, rule=None, every=1, stashing=True, before_step=None):
@@ -93,7 +92,6 @@ class WeightVersions:
         self.frozen = {}  # older version -> {name: tensor}: the storage its microbatches read
         self.in_flight = {}  # mb -> (version, {name: leaf}) from its forward to its backward
         self.forwards = self.backwards = 0
-        self.log = []
         self.peak_versions = 1
         self.version_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
 
@@ -110,7 +108,6 @@ class WeightVersions:
         leaves = {name: t.detach().requires_grad_() for name, t in source.items()}
         self.in_flight[mb] = (version, leaves)
         self.forwards = mb + 1  # forwards run in microbatch order
-        self.log.append(("F", mb, version))
         return leaves
 
     def weights(self, mb):
@@ -120,7 +117,6 @@ class WeightVersions:
     def backward_done(self, mb):
         """mb's backward has run: add its gradient to the live weights' and update every `every` backwards."""
         _, leaves = self.in_flight.pop(mb)
-        self.log.append(("B", mb, self.holds(leaves)))
         for name, p in self.params.items():
             grad = leaves[name].grad
             if grad is not None:
@@ -144,7 +140,6 @@ class WeightVersions:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        self.log.append(("U", self.version))
 
     def needed(self, version) -> bool:
         """Whether a microbatch in flight runs on `version`, or one still to come will (rules only)."""
@@ -152,13 +147,6 @@ class WeightVersions:
             return True
         upcoming = self.rule is not None and self.forwards < self.microbatches
         return upcoming and self.rule(self.forwards) <= version  # rules never decrease with mb
-
-    def holds(self, leaves) -> int:
-        """The version now in the storage under `leaves`: a frozen one, or else the live weights'."""
-        name, leaf = next(iter(leaves.items()))
-        storage = leaf.untyped_storage().data_ptr()
-        frozen = (v for v, tensors in self.frozen.items() if tensors[name].untyped_storage().data_ptr() == storage)
-        return next(frozen, self.version)
 
 
 def pipedream_forward_backward(stages, comm, microbatches, per_update):

@@ -20,6 +20,8 @@ rules written here from the papers:
 Controls that must be caught: stashing off (a backward reads weights an update has
 changed), vertical sync's rule one version off, 2BW updating after every backward.
 """
+from types import SimpleNamespace
+
 import torch
 
 import formulas
@@ -35,26 +37,28 @@ def run_order(step, pp, n):
 
 
 def drive(pipedream, order, args, stashing=True, rule=None, every=None):
-    """Run one rank's order through a real WeightVersions.
-    Returns (versions, {mb: value its forward read}, problems: backwards that read another value)."""
+    """Run one rank's order through a real WeightVersions. Returns a namespace: versions; read, {mb: value
+    its forward read}; problems, backwards that read another value; version_read, {mb: version its forward
+    read}; landed, {mb: the live version when its gradient lands (before the update it may trigger)}."""
     weight = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.zeros_(weight.weight)
     rule = pipedream.version_rule(args) if rule is None else rule
     every = pipedream.updates_every(args) if every is None else every
     versions = pipedream.WeightVersions(weight, torch.optim.SGD(weight.parameters(), lr=LR),
                                         args.steps * args.microbatches, rule, every, stashing)
-    read, problems = {}, []
+    read, problems, version_read, landed = {}, [], {}, {}
     for kind, mb in order:
         if kind == "F":
             leaves = versions.forward(mb)
-            read[mb] = leaves["weight"].item()
+            read[mb], version_read[mb] = leaves["weight"].item(), versions.in_flight[mb][0]
             leaves["weight"].grad = torch.ones_like(leaves["weight"])  # what its backward will give
         else:
             held = versions.weights(mb)["weight"].item()
             if held != read[mb]:
                 problems.append(f"the backward of {mb} reads {held}, its forward read {read[mb]}")
+            landed[mb] = versions.version
             versions.backward_done(mb)
-    return versions, read, problems
+    return SimpleNamespace(versions=versions, read=read, problems=problems, version_read=version_read, landed=landed)
 
 
 def expected_version(args, stage, mb):
@@ -69,9 +73,9 @@ def expected_version(args, stage, mb):
 def check_rank(pipedream, args, stage, order, stage0_reads):
     """One rank's problems: values under backwards, versions read, updates, peak of versions held.
     Returns (problems, {mb: version its forward read})."""
-    versions, read, problems = drive(pipedream, order, args)
+    driven = drive(pipedream, order, args)
+    versions, read, problems, reads = driven.versions, driven.read, driven.problems, driven.version_read
     every = pipedream.updates_every(args)
-    reads = {entry[1]: entry[2] for entry in versions.log if entry[0] == "F"}
     for mb, version in reads.items():
         expected = expected_version(args, stage, mb)
         if version != expected:
@@ -123,17 +127,16 @@ def controls(step, pipedream):
     two_bw = step.args("pipedream-2bw", 4, 4, 1, "batched", ["--steps", "3"])
     off_by_one = lambda mb: max(0, mb - 4)  # noqa: E731 (vertical sync's rule at p 4, one version too old)
     return dict(
-        pipedream_stashing_off_caught=bool(drive(pipedream, order[0], plain, stashing=False)[2]),
+        pipedream_stashing_off_caught=bool(drive(pipedream, order[0], plain, stashing=False).problems),
         pipedream_vertical_off_by_one_caught=bool(
             [p for s in range(4) for p in check_rank_with_rule(pipedream, vertical, s, order[s], off_by_one)]),
-        pipedream_2bw_every_backward_caught=drive(pipedream, order[0], two_bw, every=1)[0].peak_versions > 2)
+        pipedream_2bw_every_backward_caught=drive(pipedream, order[0], two_bw, every=1).versions.peak_versions > 2)
 
 
 def check_rank_with_rule(pipedream, args, stage, order, rule):
     """Versions read under a given (broken) rule that differ from the papers' rule."""
-    versions = drive(pipedream, order, args, rule=rule)[0]
-    return [mb for kind, mb, *version in versions.log
-            if kind == "F" and version[0] != expected_version(args, stage, mb)]
+    reads = drive(pipedream, order, args, rule=rule).version_read
+    return [mb for mb, version in reads.items() if version != expected_version(args, stage, mb)]
 
 
 def check_pipedream(step):
