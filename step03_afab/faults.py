@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 STALE_BEATS = 4  # a rank silent for this many beat intervals has stalled (or died)
 GONE_BEATS = 2  # of two peers, one of whose connections closed, the one silent this long is gone (the other beats)
-READ_TIMEOUT_S = 3.0  # how long a reading rank waits for the store itself
+LINGER_S = 20.0  # at most this long rank 0 keeps the store for the others (linger)
+READ_TIMEOUT_S = 10.0  # how long a reading rank waits for the store itself (a loaded machine answers slowly)
 CLOSED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
 
 
@@ -120,7 +121,7 @@ def stop_heartbeat():
         _heartbeat.thread.join(timeout=READ_TIMEOUT_S)
 
 
-def stalled_verdict(heartbeat) -> str:
+def stalled_verdict(heartbeat, timeout_s: float) -> str:
     """Who stalled, read from the beats: 'rank 2 stalled (silent for 4.1 s)', or why no rank is named.
     A silent rank that left a verdict ended on a fault: its culprit is named instead."""
     silent = {r: s for r, s in heartbeat.silences().items() if s > STALE_BEATS * heartbeat.interval}
@@ -131,19 +132,22 @@ def stalled_verdict(heartbeat) -> str:
         return " and ".join(f"rank {r}" for r in quiet) + " stalled (silent for " + \
             ", ".join(f"{silent[r]:.1f} s" for r in quiet) + ")"
     if ended:
-        return ended_verdict(heartbeat, ended)
+        return ended_verdict(heartbeat, ended, timeout_s, closed=False)
     return "every rank still shows a sign of life: a deadlock, or one compute longer than --timeout"
 
 
-def ended_verdict(heartbeat, ended) -> str:
-    """The culprit that a rank which ended on a fault named before it ended: 'rank 2 stalled (rank 1 ended on it)'."""
+def ended_verdict(heartbeat, ended, timeout_s: float, closed: bool) -> str:
+    """The culprit that a rank which ended on a fault named before it ended, e.g. 'rank 2 stalled (rank 1 gave
+    up on it after --timeout 4 s and ended)'; closed: this rank found that rank's connection closed."""
     via = min(ended)
     kind, culprit = ended[via]
     heartbeat.leave_verdict(kind, [culprit])
-    return f"rank {culprit} {'is gone' if kind == 'gone' else 'stalled'} (rank {via} ended on it)"
+    if kind == "stalled":
+        return f"rank {culprit} stalled (rank {via} gave up on it after --timeout {timeout_s:g} s and ended)"
+    return f"rank {culprit} is gone (rank {via} ended on it)" + (", no timeout expired" if closed else "")
 
 
-def gone_verdict(heartbeat, peers) -> str:
+def gone_verdict(heartbeat, peers, timeout_s: float) -> str:
     """Which of `peers` (one of whose connections closed) is gone: a peer that ended on a fault left its
     verdict; else a sole peer is the one; among several, the one whose beat ages (waited for a few
     intervals). 'rank 2 is gone (its connection closed)'."""
@@ -151,12 +155,13 @@ def gone_verdict(heartbeat, peers) -> str:
     while True:
         ended = heartbeat.verdicts(peers)
         if ended:
-            return ended_verdict(heartbeat, ended)
+            return ended_verdict(heartbeat, ended, timeout_s, closed=True)
         silent = [r for r, s in heartbeat.silences().items() if r in peers and s > GONE_BEATS * heartbeat.interval]
         found = peers if len(peers) == 1 else silent if len(silent) == 1 else None
         if found or time.monotonic() > deadline:
             heartbeat.leave_verdict("gone", found or [])
-            return f"{' or '.join(f'rank {r}' for r in found or peers)} is gone (its connection closed)"
+            named = " or ".join(f"rank {r}" for r in found or peers)
+            return f"{named} is gone (its connection closed), no timeout expired"
         time.sleep(heartbeat.interval)
 
 
@@ -165,7 +170,7 @@ def unanswered_verdict(kind: str, peers) -> str:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return "rank 0 stalled or is gone (the store it runs does not answer)"
     if kind == "gone":
-        return f"{' or '.join(f'rank {r}' for r in peers)} is gone (its connection closed)"
+        return f"{' or '.join(f'rank {r}' for r in peers)} is gone (its connection closed), no timeout expired"
     return "the store does not answer, so the rank that stalled is not known"
 
 
@@ -184,6 +189,23 @@ def ask_store(question, seconds: float):
     return answer[0] if answer else None
 
 
+def linger():
+    """Without torchrun the store runs in rank 0: before rank 0 ends on a fault, let the other ranks read it.
+    Rank 0 waits (at most LINGER_S) until each other rank has left its verdict or fallen silent."""
+    if _heartbeat is None or _heartbeat.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline:
+        try:
+            silences = _heartbeat.silences()
+        except RuntimeError:
+            return
+        waiting = [r for r, s in silences.items() if s < STALE_BEATS * _heartbeat.interval]
+        if not waiting or set(_heartbeat.verdicts(waiting)) == set(waiting):
+            return
+        time.sleep(_heartbeat.interval)
+
+
 def one_line(err: BaseException, timeout_s: float):
     """The one line that says what happened, or None if `err` is not a peer's fault:
     a timeout says what this rank waited for, then who stalled; a closed connection who is gone, then
@@ -195,13 +217,14 @@ def one_line(err: BaseException, timeout_s: float):
     peers = err.peers if isinstance(err, PeerGone) else [r for r in range(world) if r != me]
     verdict = None
     if _heartbeat is not None:
-        question = partial(gone_verdict, _heartbeat, peers) if kind == "gone" else partial(stalled_verdict, _heartbeat)
+        question = (partial(gone_verdict, _heartbeat, peers, timeout_s) if kind == "gone" else
+                    partial(stalled_verdict, _heartbeat, timeout_s))
         polling = (GONE_BEATS + 3) * _heartbeat.interval if kind == "gone" else 0
         verdict = ask_store(question, polling + READ_TIMEOUT_S)
     verdict = verdict or unanswered_verdict(kind, peers)
     if kind == "gone":
         doing = str(err) if isinstance(err, PeerGone) else f"rank {me} was in a blocking send, receive or collective"
-        return f"error: {verdict}, no timeout expired: {doing}"
+        return f"error: {verdict}: {doing}"
     doing = (str(err) if isinstance(err, PeerTimeout) else
              f"rank {me} waited in vain in a blocking send, receive or collective")
     return f"error: {doing} (--timeout {timeout_s:g} s); {verdict}"

@@ -65,6 +65,7 @@ def one_line_errors(timeout_s: float):
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
+        faults.linger()  # rank 0 keeps the store it runs until the others have read it
         os._exit(1)  # no teardown: it would wait on the stalled peer again
 
 

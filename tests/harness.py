@@ -242,3 +242,69 @@ def whole_tensors(results, what: str, errors: list, label: str) -> dict:
             errors.append(f"{where}: replicated, but not bitwise equal on the {len(parts)} TP ranks")
         whole[replica, name] = parts[0] if split[name] is None else torch.cat(parts, split[name])
     return whole
+
+
+class FaultRun:
+    """A run in which one rank was stopped or killed: each rank's exit code, stdout and stderr, the seconds
+    from the signal to each survivor's exit, and rank 0's --log-json records. `problem` says why the run
+    could not be made (it never logged two steps, or a survivor outlived its deadline), with the command
+    and every rank's last output; None if it was made."""
+
+    def __init__(self, cmd, folder: Path, world: int, victim: int):
+        self.cmd, self.folder, self.world, self.victim = cmd, folder, world, victim
+        self.returncodes, self.exited_after, self.problem = {}, {}, None
+
+    def text(self, rank: int, stream: str) -> str:
+        path = self.folder / f"rank{rank}.{stream}"
+        return path.read_text() if path.exists() else ""
+
+    def records(self):
+        log = self.folder / "log.jsonl"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def fail(self, why: str):
+        tails = "\n".join(f"  rank {r} stderr:\n{tail(self.text(r, 'err'), 8)}" for r in range(self.world))
+        self.problem = f"{why}\n  command: {' '.join(map(str, self.cmd))}\n{tails}"
+
+
+def fault_run(cmd, world: int, folder: Path, signal_number: int, victim: int, start_deadline: float,
+              exit_deadline: float) -> FaultRun:
+    """Start `cmd` (a train.py writing --log-json folder/log.jsonl) on `world` ranks; once rank 0 has logged
+    two steps, send `signal_number` to rank `victim` and wait for the others to exit. Deadlines, in seconds:
+    start_deadline for the two steps (start-up on a loaded machine), exit_deadline for the survivors."""
+    run, folder = FaultRun(cmd, folder, world, victim), Path(folder)
+    port, log = free_port(), folder / "log.jsonl"
+    files = [(open(folder / f"rank{r}.out", "w"), open(folder / f"rank{r}.err", "w")) for r in range(world)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=rank_env(r, world, port), stdout=out, stderr=err)
+             for r, (out, err) in enumerate(files)]
+    try:
+        started = time.monotonic()
+        while not (log.exists() and log.read_text().count("\n") >= 2) and all(p.poll() is None for p in procs):
+            if time.monotonic() - started > start_deadline:
+                run.fail(f"rank 0 had not logged two steps {start_deadline:.0f} s after the launch")
+                return run
+            time.sleep(0.05)
+        if any(p.poll() is not None for p in procs):
+            run.fail(f"a rank exited before two steps were logged: exit codes {[p.poll() for p in procs]}")
+            return run
+        procs[victim].send_signal(signal_number)
+        signalled = time.monotonic()
+        while any(p.poll() is None for r, p in enumerate(procs) if r != victim):
+            if time.monotonic() - signalled > exit_deadline:
+                run.fail(f"a survivor still ran {exit_deadline:.0f} s after rank {victim} got signal {signal_number}")
+                return run
+            for r, p in enumerate(procs):
+                if r != victim and p.poll() is not None and r not in run.exited_after:
+                    run.exited_after[r] = time.monotonic() - signalled
+            time.sleep(0.05)
+        for r, p in enumerate(procs):
+            if r != victim:
+                run.exited_after.setdefault(r, time.monotonic() - signalled)
+                run.returncodes[r] = p.returncode
+        return run
+    finally:
+        for p, handles in zip(procs, files):
+            p.kill()
+            p.wait()
+            for handle in handles:
+                handle.close()
