@@ -21,6 +21,7 @@ A Timeline made with enabled=False records nothing and costs nothing.
 """
 import json
 import time
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -115,10 +116,30 @@ def bubble_report(events, world_size: int, formula_text: str, formula_value: flo
     return lines
 
 
-def box_name(event) -> str:
-    """forward 3, backward 3 chunk 1, recv activation 2, ...: what a trace box says."""
+MESSAGES = ("send", "recv", "sendrecv")  # kinds of an exchange's box; its `what` lists what travelled
+
+
+def message_numbers(step_events) -> dict:
+    """{id(event): [k, ...]} for each message box of one step: for every part of its `what` ('send activation',
+    'recv gradient'), that part's place among the rank's parts of the same name in the step, from 0, as the
+    timeout line counts. Messages carry no label; in GPipe, afab and 1f1b they go in microbatch order, so
+    the k-th activation or gradient a rank sends or receives in a step is microbatch k's."""
+    counts, numbers = Counter(), {}
+    for e in sorted(step_events, key=lambda e: e["start"]):
+        if e["kind"] in MESSAGES and e.get("what"):
+            parts = [(e["rank"], part) for part in e["what"].split(" + ")]
+            numbers[id(e)] = [counts[part] for part in parts]
+            counts.update(parts)
+    return numbers
+
+
+def box_name(event, numbers=None, chunks=True) -> str:
+    """What a trace box says: forward 3, backward 3 chunk 1 (chunks=False leaves the chunk out, in a run
+    with one), recv activation 2, send activation 3 + recv gradient 1 (numbers: message_numbers')."""
+    if numbers is not None:
+        return " + ".join(f"{part} {k}" for part, k in zip(event["what"].split(" + "), numbers))
     parts = [event.get("what") or event["kind"], event["microbatch"]]
-    if event.get("chunk") is not None:
+    if chunks and event.get("chunk") is not None:
         parts.append(f"chunk {event['chunk']}")
     return " ".join(str(p) for p in parts if p is not None)
 
@@ -126,19 +147,24 @@ def box_name(event) -> str:
 def write_chrome_trace(events, path: str, describe_rank):
     """One row per rank (thread rank + 1 of process 1); opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-    Steps are laid end to end: each step starts where the previous one ended.
+    Within a step every rank's boxes lie on one wall-clock axis. The recorded steps are laid end to end:
+    each starts where the previous one's last box ended, so what happens between steps (the optimizer, the
+    barrier that starts the next one) is left out, and the trace's time is not wall-clock time across steps.
+    A compute box names its chunk only where the run has more than one.
     """
     trace, offset = [], 0.0
+    chunks = len({e.get("chunk") for e in events} - {None}) > 1
     for step in sorted({e["step"] for e in events}):
         step_events = [e for e in events if e["step"] == step]
-        origin = step_start(events, step)
+        origin, numbers = step_start(events, step), message_numbers(step_events)
         for e in step_events:
-            trace.append(dict(name=box_name(e), cat=e["kind"], ph="X", pid=1, tid=e["rank"] + 1,
+            trace.append(dict(name=box_name(e, numbers.get(id(e)), chunks), cat=e["kind"], ph="X", pid=1, tid=e["rank"] + 1,
                               ts=(offset + e["start"] - origin) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
                               args=dict(step=step, rank=e["rank"], microbatch=e["microbatch"],
                                         chunk=e.get("chunk"), what=e.get("what"))))
         offset += max(e["end"] for e in step_events) - origin
     ranks = sorted({e["rank"] for e in events})
+    trace.append(dict(name="process_name", ph="M", pid=1, args=dict(name=f"{len(ranks)} ranks, steps end to end")))
     trace += [dict(name="thread_name", ph="M", pid=1, tid=r + 1, args=dict(name=f"rank {r} ({describe_rank(r)})"))
               for r in ranks]
     with open(path, "w") as f:

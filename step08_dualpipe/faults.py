@@ -150,13 +150,20 @@ def ended_verdict(heartbeat, ended, timeout_s: float, closed: bool) -> str:
 def gone_verdict(heartbeat, peers, timeout_s: float) -> str:
     """Which of `peers` (one of whose connections closed) is gone: a peer that ended on a fault left its
     verdict; else a sole peer is the one; among several, the one whose beat ages (waited for a few
-    intervals). 'rank 2 is gone (its connection closed)'."""
-    deadline = time.monotonic() + (GONE_BEATS + 2) * heartbeat.interval
+    intervals). 'rank 2 is gone (its connection closed)'. A peer silent since well before the connection
+    closed stalled instead, and the connection was that of a rank that gave up waiting on it."""
+    caught, deadline = time.time(), time.monotonic() + (GONE_BEATS + 2) * heartbeat.interval
     while True:
-        ended = heartbeat.verdicts(peers)
+        ended, silences = heartbeat.verdicts(peers), heartbeat.silences()
         if ended:
             return ended_verdict(heartbeat, ended, timeout_s, closed=True)
-        silent = [r for r, s in heartbeat.silences().items() if r in peers and s > GONE_BEATS * heartbeat.interval]
+        stalled = [r for r, s in silences.items() if s > time.time() - caught + STALE_BEATS * heartbeat.interval]
+        if stalled:
+            heartbeat.leave_verdict("stalled", stalled)
+            return (f"{' and '.join(f'rank {r}' for r in stalled)} stalled (silent for "
+                    f"{', '.join(f'{silences[r]:.1f} s' for r in stalled)}; a rank waiting on it gave up after "
+                    f"--timeout {timeout_s:g} s)")
+        silent = [r for r, s in silences.items() if r in peers and s > GONE_BEATS * heartbeat.interval]
         found = peers if len(peers) == 1 else silent if len(silent) == 1 else None
         if found or time.monotonic() > deadline:
             heartbeat.leave_verdict("gone", found or [])
