@@ -55,59 +55,68 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def build_parser(description=None):
     p = Parser(description=description, formatter_class=HelpFormatter)
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (tp x dp))")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
-    p.add_argument("--scatter-gather", action="store_true",
-                   help="each TP rank sends 1/tp of every pipeline message; the receivers all-gather it")
-    p.add_argument("--tie-embeddings", action="store_true",
-                   help="the LM head reuses the embedding matrix (summed over the first and last stage)")
-    p.add_argument("--batch-size", type=int, default=8, help="global sequences per optimizer step")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (m)")
-    p.add_argument("--recompute", action="store_true",
-                   help="keep only each stage's input and recompute its forward during backward")
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
-    p.add_argument("--schedule", default=None,
-                   help="afab | 1f1b | interleaved | zb1p | dualpipe | dualpipev | pipedream | pipedream-2bw "
-                   "(default: interleaved if --virtual-stages > 1, else 1f1b; the last two never flush: pipedream.py)")
-    p.add_argument("--vertical-sync", action="store_true",
-                   help="pipedream: every stage runs a microbatch on the weight version stage 0 used")
-    p.add_argument("--no-weight-stashing", action="store_true",
-                   help="pipedream: backwards read the live weights, changed since their forward (a foil)")
-    p.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
-    p.add_argument("--deallocate", action="store_true",
-                   help="free each output's storage once it is sent, keeping its autograd graph "
-                   "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
-    p.add_argument("--pairs", default="overlapped",
-                   help="overlapped | sequential: dualpipe and dualpipev run a pair (F of one microbatch, B of "
-                   "another) as one unit, as DeepSeek does, or as F then B, each with its own transfers (CPU only)")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
-                   "activations and pipeline messages (fp32 master weights and gradient sums either way)")
-    p.add_argument("--initial-loss-scale", type=float, default=2.0**16,
-                   help="fp16: the dynamic loss scaler's first scale (Megatron-LM starts at 2**32)")
-    p.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
-    p.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="fp16: clean steps after which the scale doubles")
-    p.add_argument("--hysteresis", type=int, default=2,
-                   help="fp16: overflows since the last growth before the scale halves")
-    p.add_argument("--loss-scale", type=float, default=None, help="a constant loss scale instead of the dynamic one")
-    p.add_argument("--clip-grad", type=float, default=0.0,
-                   help="clip the gradients to this global norm (0: no clipping)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers of the whole model")
-    p.add_argument("--hidden", type=int, default=128, help="width of the hidden states")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--data", default=None, help="a text file (default: the Python stdlib source)")
-    p.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a rank waits for a peer before failing (at least 1). It must exceed the longest wait "
-                   "of the schedule: a message's trip through the other stages and back, about (p-1) x (F+B) with "
-                   "F and B one stage's forward and backward of one microbatch, and the slowest rank's start-up")
+    group = p.add_argument_group("pipeline", "how the model is cut into stages and scheduled")
+    group.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (tp x dp))")
+    group.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (m)")
+    group.add_argument("--schedule", default=None,
+                       help="afab | 1f1b | interleaved | zb1p | dualpipe | dualpipev | pipedream | pipedream-2bw "
+                       "(default: interleaved if --virtual-stages > 1, else 1f1b; "
+                       "the last two never flush: pipedream.py)")
+    group.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
+    group.add_argument("--recompute", action="store_true",
+                       help="keep only each stage's input and recompute its forward during backward")
+    group.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
+    group.add_argument("--deallocate", action="store_true",
+                       help="free each output's storage once it is sent, keeping its autograd graph "
+                       "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
+    group.add_argument("--vertical-sync", action="store_true",
+                       help="pipedream: every stage runs a microbatch on the weight version stage 0 used")
+    group.add_argument("--no-weight-stashing", action="store_true",
+                       help="pipedream: backwards read the live weights, changed since their forward (a foil)")
+    group.add_argument("--pairs", default="overlapped",
+                       help="overlapped | sequential: dualpipe and dualpipev run a pair (F of one microbatch, B of "
+                       "another) as one unit, as DeepSeek does, or as F then B, each with its own transfers (CPU only)")
+    group = p.add_argument_group("parallelism", "data and tensor parallelism beside the pipeline")
+    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
+    group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
+    group.add_argument("--scatter-gather", action="store_true",
+                       help="each TP rank sends 1/tp of every pipeline message; the receivers all-gather it")
+    group = p.add_argument_group("precision", "number formats and the loss scale")
+    group.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
+                       "activations and pipeline messages (fp32 master weights and gradient sums either way)")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**16,
+                       help="fp16: the dynamic loss scaler's first scale (Megatron-LM starts at 2**32)")
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
+    group.add_argument("--loss-scale-window", type=int, default=1000,
+                       help="fp16: clean steps after which the scale doubles")
+    group.add_argument("--hysteresis", type=int, default=2,
+                       help="fp16: overflows since the last growth before the scale halves")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="a constant loss scale instead of the dynamic one")
+    group.add_argument("--clip-grad", type=float, default=0.0,
+                       help="clip the gradients to this global norm (0: no clipping)")
+    group = p.add_argument_group("model", "the transformer's size")
+    group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    group.add_argument("--layers", type=int, default=8, help="decoder layers of the whole model")
+    group.add_argument("--hidden", type=int, default=128, help="width of the hidden states")
+    group.add_argument("--heads", type=int, default=4, help="attention heads")
+    group.add_argument("--tie-embeddings", action="store_true",
+                       help="the LM head reuses the embedding matrix (summed over the first and last stage)")
+    group = p.add_argument_group("run", "what is trained, for how long, where")
+    group.add_argument("--batch-size", type=int, default=8, help="global sequences per optimizer step")
+    group.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    group.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    group.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    group.add_argument("--data", default=None, help="a text file (default: the Python stdlib source)")
+    group.add_argument("--timeout", type=float, default=120.0,
+                       help="seconds a rank waits for a peer before failing (at least 1). "
+                       "It must exceed the longest wait "
+                       "of the schedule: a message's trip through the other stages and back, about (p-1) x (F+B) with "
+                       "F and B one stage's forward and backward of one microbatch, and the slowest rank's start-up")
+    group = p.add_argument_group("output", "what the run writes besides its report")
+    group.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
+    group.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
     return p
 
 
