@@ -78,21 +78,49 @@ def stored_microbatches(run, args, rank: int):
                 v=getattr(args, "virtual_stages", 1), stage=stage)
 
 
+def record_versions(versions) -> list:
+    """Log what a rank's WeightVersions hands out, as PipelineStage drives it: ("F", mb, the version its
+    forward reads) and ("B", mb, the version the storage under its backward holds by then). The test's
+    record, wrapped around the engine's two calls; harness.versions_errors reads it."""
+    log, forward, backward_done = [], versions.forward, versions.backward_done
+
+    def logged_forward(mb):
+        leaves = forward(mb)
+        log.append(("F", mb, versions.in_flight[mb][0]))
+        return leaves
+
+    def logged_backward_done(mb):
+        log.append(("B", mb, held_version(versions, versions.in_flight[mb][1])))
+        backward_done(mb)
+
+    versions.forward, versions.backward_done = logged_forward, logged_backward_done
+    return log
+
+
+def held_version(versions, leaves) -> int:
+    """The version now in the storage under `leaves`: a frozen one's, or else the live weights'."""
+    name, leaf = next(iter(leaves.items()))
+    storage = leaf.untyped_storage().data_ptr()
+    frozen = [v for v, tensors in versions.frozen.items() if tensors[name].untyped_storage().data_ptr() == storage]
+    return frozen[0] if frozen else versions.version
+
+
 def pipedream_run(train, argv, device, out_case: Path, rank: int):
     """PipeDream (step 04 on): the whole run, then this rank's per-step losses, weights, and the log of the
     weight versions its forwards and backwards read."""
     args = train.parse_args(argv)
     run = train.build(args, device)
     status(out_case.parent, rank, f"[{' '.join(argv)}]: the PipeDream run")
+    versions = run.stages[0].versions  # one per rank, shared by its stages
+    log = record_versions(versions)
     losses = [record["loss"] for record in train.pipedream_steps(run)]
-    versions = run.stages[0].versions
     pgm = run.pgm
     torch.save(dict(losses=losses, names=[n for n, _ in run.model.named_parameters()],
                     weights={n: p.detach().cpu().clone() for n, p in run.model.named_parameters()},
                     splits={n: getattr(p, "tp_split_dim", None) for n, p in run.model.named_parameters()},
                     place=(pgm.dp_rank, getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1)),
                     memory=stored_microbatches(run, args, rank),
-                    versions=dict(log=versions.log, peak=versions.peak_versions, stage=pgm.stage, pp=args.pp,
+                    versions=dict(log=log, peak=versions.peak_versions, stage=pgm.stage, pp=args.pp,
                                   schedule=args.schedule, vertical_sync=args.vertical_sync, steps=args.steps,
                                   stashing=not args.no_weight_stashing)),
                out_case / f"rank{rank}.pt")
