@@ -14,22 +14,22 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
+from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from data_parallel import average_gradients
 from memory import ActivationMeter
 from p2p import PipelineComm
-from process_groups import ProcessGroupManager, describe_rank
-from schedule import afab_forward_backward, bubble_formula, peak_stored_microbatches
+from process_groups import ProcessGroupManager
+from schedule import afab_forward_backward
 from stage import PipelineStage
-from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+from report import gather_peaks, report
+from timeline import Timeline
 
 
 def parse_args(argv=None):
@@ -127,40 +127,6 @@ def train_step(run, step: int) -> dict:
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
-
-
-def gather_peaks(run) -> dict:
-    """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches))
-    return dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                peak_stored_microbatches=[p[2] for p in peaks])
-
-
-def memory_report(args, record):
-    """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    text, _ = peak_stored_microbatches(args, 0)
-    lines = [f"activation memory: peak stored microbatches, measured vs formula {text}"]
-    for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        _, expected = peak_stored_microbatches(args, rank // args.dp)
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
-                     f"{size / 2**20:.2f} MiB")
-    return lines
-
-
-def report(run, last_record):
-    """After training: memory and bubble per rank beside their formulas, and the trace file."""
-    events = gather_events(run.timeline)
-    if dist.get_rank() != 0:
-        return
-    print("\n".join(memory_report(run.args, last_record)))
-    text, value = bubble_formula(run.args)
-    label = partial(describe_rank, dp=run.args.dp)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
-    if run.args.trace:
-        write_chrome_trace(events, run.args.trace, label)
-        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
 def stop_if_diverged(record):

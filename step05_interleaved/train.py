@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
+from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from data_parallel import average_gradients
 from memory import ActivationMeter
@@ -28,9 +28,10 @@ import pipedream
 import schedule
 from p2p import PipelineComm
 from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
-from process_groups import ProcessGroupManager, describe_rank
+from process_groups import ProcessGroupManager
 from stage import PipelineStage, VirtualStages
-from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+from report import gather_peaks, report
+from timeline import Timeline
 
 
 def parse_args(argv=None):
@@ -189,62 +190,6 @@ def pipedream_steps(run) -> list:
     return [dict(step=step, loss=share_loss(run, sum(losses[step * m:(step + 1) * m]) / m if losses else None),
                  step_time_s=elapsed / args.steps, tokens_per_s=tokens * args.steps / elapsed)
             for step in range(args.steps)]
-
-
-def gather_peaks(run) -> dict:
-    """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
-    versions = run.stages[0].versions
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches,
-                                   (versions.peak_versions, versions.version_bytes) if versions else None))
-    record = dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                  peak_stored_microbatches=[p[2] for p in peaks])
-    if versions:  # PipeDream: weight versions held at once (the live one included), and the bytes of one
-        record.update(peak_weight_versions=[p[3][0] for p in peaks], version_bytes=[p[3][1] for p in peaks])
-    return record
-
-
-def formulas(args):
-    """The module whose formulas describe this run: pipedream's for a run with no flush, else schedule's."""
-    return pipedream if args.schedule in pipedream.SCHEDULES else schedule
-
-
-def memory_report(args, record):
-    """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    peak_stored_microbatches = formulas(args).peak_stored_microbatches
-    text, _ = peak_stored_microbatches(args, 0)
-    lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
-    for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        _, expected = peak_stored_microbatches(args, rank // args.dp)
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
-                     f"{size / 2**20:.2f} MiB")
-    return lines + (versions_report(args, record) if "peak_weight_versions" in record else [])
-
-
-def versions_report(args, record):
-    """PipeDream: each rank's peak of weight versions held, beside its formula, and what the extra ones cost."""
-    text, _ = pipedream.peak_versions(args, 0)
-    lines = [f"weight versions, {args.schedule}: peak held (the live one included), measured vs formula {text}"]
-    for rank, (count, size) in enumerate(zip(record["peak_weight_versions"], record["version_bytes"])):
-        _, expected = pipedream.peak_versions(args, rank // args.dp)
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
-                     f"{count - 1} stashed x {size / 2**20:.2f} MiB = {(count - 1) * size / 2**20:.2f} MiB")
-    return lines
-
-
-def report(run, last_record):
-    """After training: memory and bubble per rank beside their formulas, and the trace file."""
-    events = gather_events(run.timeline)
-    if dist.get_rank() != 0:
-        return
-    print("\n".join(memory_report(run.args, last_record)))
-    text, value = formulas(run.args).bubble_formula(run.args)
-    label = partial(describe_rank, dp=run.args.dp)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
-    if run.args.trace:
-        write_chrome_trace(events, run.args.trace, label)
-        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
 def stop_if_diverged(record):
