@@ -84,12 +84,17 @@ def instrument(run, step: int):
     run.timeline.enabled = step > 0 or run.args.steps == 1
 
 
-def train_step(run, step: int) -> dict:
-    """One optimizer step. While the timeline records, all ranks start it together, from a barrier."""
+def start_recording(run, step: int):
+    """While the timeline records, all ranks start a step together, from a barrier."""
     reset_peak_memory(run.device)
     if run.timeline.enabled:
         dist.barrier()
     run.timeline.start_step(step)
+
+
+def train_step(run, step: int) -> dict:
+    """One optimizer step."""
+    start_recording(run, step)
     start = time.perf_counter()
     loss = compute_gradients(run, step)
     run.optimizer.step()
@@ -118,6 +123,13 @@ def report(run):
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
+def flushed_steps(run):
+    """One step per batch: the batch through the pipeline, drained, then the optimizer."""
+    for step in range(run.args.steps):
+        instrument(run, step)
+        yield train_step(run, step)
+
+
 def stop_if_diverged(record):
     """A loss that is not finite (on a step no loss scaler skipped) does not come back: end every rank with
     one line and exit code 3. The check reads the loss every rank already holds (share_loss), so all ranks
@@ -139,9 +151,7 @@ def train(args):
     # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
     # this rank through os._exit, which writes out no buffers.
     log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
-    for step in range(args.steps):
-        instrument(run, step)
-        record = train_step(run, step)
+    for step, record in enumerate(flushed_steps(run)):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
         if dist.get_rank() == 0:

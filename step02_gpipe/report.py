@@ -13,18 +13,23 @@ from pipeline import bubble_formula, peak_stored_microbatches
 from timeline import bubble_report, gather_events, write_chrome_trace
 
 
-def describe_rank(rank: int) -> str:
-    """The report's name for a rank: the stage it holds."""
-    return f"stage {rank}"
+def rank_name(args):
+    """rank -> the report's name for it: the stage it holds."""
+    return lambda rank: f"stage {rank}"
+
+
+def stage_of(args, rank: int) -> int:
+    """The pipeline stage `rank` holds."""
+    return rank
 
 
 def gather_peaks(run) -> dict:
     """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
+    mine = dict(peak_mem_bytes=peak_memory_bytes(run.device), peak_activation_bytes=run.meter.peak_bytes,
+                peak_stored_microbatches=run.meter.peak_stored_microbatches)
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches))
-    return dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                peak_stored_microbatches=[p[2] for p in peaks])
+    dist.all_gather_object(peaks, mine)
+    return {key: [p[key] for p in peaks] for key in mine}
 
 
 def memory_report(args, record):
@@ -32,8 +37,9 @@ def memory_report(args, record):
     text, _ = peak_stored_microbatches(args, 0)
     lines = [f"activation memory: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        _, expected = peak_stored_microbatches(args, rank)
-        lines.append(f"  rank {rank} ({describe_rank(rank)}): {count} (formula {expected}), {size / 2**20:.2f} MiB")
+        _, expected = peak_stored_microbatches(args, stage_of(args, rank))
+        lines.append(f"  rank {rank} ({rank_name(args)(rank)}): {count} (formula {expected}), "
+                     f"{size / 2**20:.2f} MiB")
     return lines
 
 
@@ -44,7 +50,7 @@ def report(run, last_record):
         return
     print("\n".join(memory_report(run.args, last_record)))
     text, value = bubble_formula(run.args)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, describe_rank)))
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args))))
     if run.args.trace:
-        write_chrome_trace(events, run.args.trace, describe_rank)
+        write_chrome_trace(events, run.args.trace, rank_name(run.args))
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")

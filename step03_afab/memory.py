@@ -5,7 +5,9 @@ tensors its forward saved for the backward. Those saved activations are what
 a schedule's memory formula counts. We see them with
 `torch.autograd.graph.saved_tensors_hooks`: the pack hook is called for every
 tensor autograd saves. Parameters and buffers are saved too (a matmul keeps its
-weight) but they exist anyway, so tensors sharing their storage are skipped.
+weight) but they exist anyway, so tensors sharing their storage are skipped: the
+model's, looked up at each forward (PipeDream's copy-on-write gives them new
+storage, step 04), and the weights a forward runs on when not the model's own.
 This works on CPU, where there is no allocator to ask.
 
 Bytes are counted per storage, once, however many saved tensors or microbatches
@@ -26,9 +28,7 @@ class ActivationMeter:
     """Live and peak activation bytes, and the number of microbatches holding activations."""
 
     def __init__(self, model: torch.nn.Module = None, enabled: bool = True):
-        self.enabled = enabled
-        tensors = [] if model is None else [*model.parameters(), *model.buffers()]
-        self.weights = {storage_key(t) for t in tensors}
+        self.enabled, self.model = enabled, model
         self.live = {}  # microbatch -> {storage: bytes} it keeps alive
         self.holders = Counter()  # storage -> how many live microbatches keep it
         self.live_bytes = 0
@@ -38,7 +38,7 @@ class ActivationMeter:
         """Count a tensor that the schedule itself keeps for the backward (e.g. a stage input)."""
         key = storage_key(t)
         saved = self.live.setdefault(microbatch, {}) if self.enabled else {}
-        if not self.enabled or key in self.weights or key in saved:
+        if not self.enabled or key in saved:
             return
         saved[key] = t.untyped_storage().nbytes()
         self.holders[key] += 1
@@ -47,14 +47,20 @@ class ActivationMeter:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.peak_stored_microbatches = max(self.peak_stored_microbatches, len(self.live))
 
-    def saving(self, microbatch):
-        """Count everything autograd saves while the body runs as belonging to `microbatch`."""
-        return self._hooks(microbatch) if self.enabled else nullcontext()
+    def saving(self, microbatch, weights=None):
+        """Count everything autograd saves while the body runs as belonging to `microbatch`, but the
+        weights: the model's parameters and buffers, and `weights` ({name: tensor}) if the forward runs
+        on weights of its own (PipeDream's versions, step 04)."""
+        return self._hooks(microbatch, weights) if self.enabled else nullcontext()
 
     @contextmanager
-    def _hooks(self, microbatch):
+    def _hooks(self, microbatch, weights):
+        tensors = [*self.model.parameters(), *self.model.buffers()] if self.model is not None else []
+        skipped = {storage_key(t) for t in [*tensors, *(weights or {}).values()]}
+
         def pack(t):
-            self.keep(microbatch, t)
+            if storage_key(t) not in skipped:
+                self.keep(microbatch, t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -65,6 +71,13 @@ class ActivationMeter:
         if self.holders[key] == 0:
             del self.holders[key]
             self.live_bytes -= size
+
+    def forget(self, microbatch, t: torch.Tensor):
+        """The schedule freed a tensor it had kept (an output whose values are no longer needed)."""
+        key = storage_key(t)
+        saved = self.live.get(microbatch, {})
+        if key in saved:
+            self._drop(key, saved.pop(key))
 
     def release(self, microbatch):
         """The backward of `microbatch` has run: autograd has freed what it saved."""

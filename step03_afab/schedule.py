@@ -22,7 +22,7 @@ def peak_stored_microbatches(args, stage: int):
 
 
 class Stash:
-    """What one rank keeps between a microbatch's forward and its backward, and the summed loss.
+    """What one rank keeps between a microbatch's forward and its backward, and the losses.
 
     stages: this rank's model chunks (one until step 05). comm: the PipelineComm whose receive buffers the
     stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
@@ -31,7 +31,7 @@ class Stash:
     def __init__(self, stages, comm, microbatches):
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
-        self.loss_sum = None  # last stage only
+        self.losses = []  # last stage only: each microbatch's mean loss, in microbatch order
 
     def forward(self, mb, x, chunk=0):
         """x is the received activation; the model's first stage reads tokens instead (x is None)."""
@@ -40,7 +40,7 @@ class Stash:
         x = tokens if stage.is_first else x
         out = stage.forward(mb, x, target)
         if stage.is_last:
-            self.loss_sum = out.detach() if self.loss_sum is None else self.loss_sum + out.detach()
+            self.losses.append(out.detach())
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
         self.kept[chunk, mb] = (x, None if stage.recompute else out)
         return out
@@ -61,7 +61,7 @@ class Stash:
     @property
     def loss(self):
         """The batch's mean loss on the rank that holds the model's last stage, else None."""
-        return None if self.loss_sum is None else self.loss_sum / len(self.microbatches)
+        return sum(self.losses) / len(self.microbatches) if self.losses else None
 
 
 def afab_forward_backward(stages, comm, microbatches):

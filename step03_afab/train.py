@@ -114,12 +114,17 @@ def instrument(run, step: int):
     run.meter.enabled = step == run.args.steps - 1
 
 
-def train_step(run, step: int) -> dict:
-    """One optimizer step. While the timeline records, all ranks start it together, from a barrier."""
+def start_recording(run, step: int):
+    """While the timeline records, all ranks start a step together, from a barrier."""
     reset_peak_memory(run.device)
     if run.timeline.enabled:
         dist.barrier()
     run.timeline.start_step(step)
+
+
+def train_step(run, step: int) -> dict:
+    """One optimizer step."""
+    start_recording(run, step)
     start = time.perf_counter()
     loss = compute_gradients(run, step)
     run.optimizer.step()
@@ -127,6 +132,13 @@ def train_step(run, step: int) -> dict:
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
+
+
+def flushed_steps(run):
+    """One step per batch: the batch through the pipeline, drained, then the optimizer."""
+    for step in range(run.args.steps):
+        instrument(run, step)
+        yield train_step(run, step)
 
 
 def stop_if_diverged(record):
@@ -150,9 +162,7 @@ def train(args):
     # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
     # this rank through os._exit, which writes out no buffers.
     log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
-    for step in range(args.steps):
-        instrument(run, step)
-        record = train_step(run, step)
+    for step, record in enumerate(flushed_steps(run)):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
         if dist.get_rank() == 0:

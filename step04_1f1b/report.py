@@ -10,53 +10,41 @@ from functools import partial
 
 import torch.distributed as dist
 
+from config import family
 from distributed import peak_memory_bytes
-import pipedream
-import schedule
 from process_groups import describe_rank
 from timeline import bubble_report, gather_events, write_chrome_trace
 
 
+def rank_name(args):
+    """rank -> the report's name for it: its stage and replica."""
+    return partial(describe_rank, dp=args.dp)
+
+
+def stage_of(args, rank: int) -> int:
+    """The pipeline stage `rank` holds (rank = stage x dp + replica)."""
+    return rank // args.dp
+
+
 def gather_peaks(run) -> dict:
     """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
-    versions = run.stages[0].versions
+    mine = dict(peak_mem_bytes=peak_memory_bytes(run.device), peak_activation_bytes=run.meter.peak_bytes,
+                peak_stored_microbatches=run.meter.peak_stored_microbatches, **family(run.args).peaks(run))
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches,
-                                   (versions.peak_versions, versions.version_bytes) if versions else None))
-    record = dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                  peak_stored_microbatches=[p[2] for p in peaks])
-    if versions:  # PipeDream: weight versions held at once (the live one included), and the bytes of one
-        record.update(peak_weight_versions=[p[3][0] for p in peaks], version_bytes=[p[3][1] for p in peaks])
-    return record
-
-
-def formulas(args):
-    """The module whose formulas describe this run: pipedream's for a run with no flush, else schedule's."""
-    return pipedream if args.schedule in pipedream.SCHEDULES else schedule
+    dist.all_gather_object(peaks, mine)
+    return {key: [p[key] for p in peaks] for key in mine}
 
 
 def memory_report(args, record):
     """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    peak_stored_microbatches = formulas(args).peak_stored_microbatches
+    peak_stored_microbatches = family(args).peak_stored_microbatches
     text, _ = peak_stored_microbatches(args, 0)
     lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        _, expected = peak_stored_microbatches(args, rank // args.dp)
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
+        _, expected = peak_stored_microbatches(args, stage_of(args, rank))
+        lines.append(f"  rank {rank} ({rank_name(args)(rank)}): {count} (formula {expected}), "
                      f"{size / 2**20:.2f} MiB")
-    return lines + (versions_report(args, record) if "peak_weight_versions" in record else [])
-
-
-def versions_report(args, record):
-    """PipeDream: each rank's peak of weight versions held, beside its formula, and what the extra ones cost."""
-    text, _ = pipedream.peak_versions(args, 0)
-    lines = [f"weight versions, {args.schedule}: peak held (the live one included), measured vs formula {text}"]
-    for rank, (count, size) in enumerate(zip(record["peak_weight_versions"], record["version_bytes"])):
-        _, expected = pipedream.peak_versions(args, rank // args.dp)
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp)}): {count} (formula {expected}), "
-                     f"{count - 1} stashed x {size / 2**20:.2f} MiB = {(count - 1) * size / 2**20:.2f} MiB")
-    return lines
+    return lines + family(args).report_lines(args, record, rank_name(args), partial(stage_of, args))
 
 
 def report(run, last_record):
@@ -65,9 +53,8 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    text, value = formulas(run.args).bubble_formula(run.args)
-    label = partial(describe_rank, dp=run.args.dp)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
+    text, value = family(run.args).bubble_formula(run.args)
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args))))
     if run.args.trace:
-        write_chrome_trace(events, run.args.trace, label)
+        write_chrome_trace(events, run.args.trace, rank_name(run.args))
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")

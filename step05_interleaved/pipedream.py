@@ -29,10 +29,21 @@ an update. Three ways to live with that, one per flag:
 The versions cost no copy when they are made. A forward reads its version's storage
 in place; an update copies the live weights only when a microbatch still needs the
 version it is about to overwrite (copy-on-write).
-"""
-from schedule import Stash, one_f_one_b_forward_backward
 
-SCHEDULES = ("pipedream", "pipedream-2bw")
+PipeDream is an add-on to step 04's 1F1B: it runs schedule.py's 1F1B function as it
+is, over PipeDreamStages, which override two seams of stage.PipelineStage (weights,
+backward_done). As every schedule family (config.family), this module exposes
+SCHEDULES, bubble_formula, peak_stored_microbatches, stage_class, train_steps,
+peaks and report_lines; train.py and report.py ask it, not the schedule's name.
+"""
+import time
+from functools import partial
+
+import torch
+
+from data import get_batch
+from schedule import one_f_one_b_forward_backward
+from stage import PipelineStage
 
 
 def version_rule(args):
@@ -51,8 +62,8 @@ def updates_every(args) -> int:
     return args.microbatches if args.schedule == "pipedream-2bw" else 1
 
 
-def bubble_formula(args):
-    """(text, value): one fill and one drain for the whole run of N = steps x m microbatches."""
+def bubble_formula(args, times=None):
+    """(text, value): one fill and one drain for the whole run of N = steps x m microbatches (times: unused)."""
     n = args.steps * args.microbatches
     return "(p-1)/(N+p-1), N = steps x m", (args.pp - 1) / (n + args.pp - 1)
 
@@ -77,11 +88,11 @@ class WeightVersions:
     """One stage's weight versions: the live weights its optimizer steps, and the older ones
     that microbatches in flight, or still to come (vertical sync, 2BW), run on.
 
-    model, optimizer: this stage's. microbatches: how many the run has. rule: version_rule(args).
-    every: backwards per update. stashing: False leaves every version in the live storage, which
-    each update overwrites. before_step: run before each optimizer step (the data-parallel average).
-    PipelineStage calls forward(mb) for the weights of mb's forward and backward_done(mb) after its
-    backward.
+    model, optimizer: this stage's (optimizer None: a pass that never updates). microbatches: how many
+    the run has. rule: version_rule(args). every: backwards per update. stashing: False leaves every
+    version in the live storage, which each update overwrites. before_step: run before each optimizer
+    step (the data-parallel average). PipeDreamStage calls forward(mb) for the weights of mb's forward
+    and backward_done(mb) after its backward.
     """
 
     def __init__(self, model, optimizer, microbatches, rule=None, every=1, stashing=True, before_step=None):
@@ -149,10 +160,112 @@ class WeightVersions:
         return upcoming and self.rule(self.forwards) <= version  # rules never decrease with mb
 
 
-def pipedream_forward_backward(stages, comm, microbatches, per_update):
+class PipeDreamStage(PipelineStage):
+    """A stage that runs each microbatch on the weight version its rank's WeightVersions hands out, and hands
+    each backward's gradient back to it, which updates the live weights as the run goes."""
+
+    def __init__(self, model, *, versions, **options):
+        super().__init__(model, **options)
+        self.versions = versions  # one per rank, shared by its stages
+        self.losses = []  # last stage only: each microbatch's mean loss, in microbatch order
+
+    def weights(self, mb):
+        """mb's version as leaves: handed out at its forward, the same leaves again at its recompute."""
+        return self.versions.weights(mb) if mb in self.versions.in_flight else self.versions.forward(mb)
+
+    def forward(self, mb, x, target):
+        out = super().forward(mb, x, target)
+        if self.is_last:  # one loss per microbatch of the run: train_steps averages them per step
+            self.losses.append(out.detach())
+        return out
+
+    def backward(self, mb, x, out, out_grad, *rest):
+        """The seed is that of one update's microbatches (2BW: m, else 1), not of the run's N. (rest: what
+        later steps add to PipelineStage.backward, passed on.)"""
+        if self.is_last:  # d(mean loss of the update's microbatches) / d(microbatch mean loss)
+            out_grad = torch.full_like(out, 1 / self.versions.every)
+        return super().backward(mb, x, out, out_grad, *rest)
+
+    def backward_done(self, mb):
+        """The gradient goes to the live weights, maybe an update (timed as part of the backward)."""
+        self.versions.backward_done(mb)
+
+
+def pipedream_forward_backward(stages, comm, microbatches):
     """1F1B's order over every microbatch of the run, no flush; each stage's WeightVersions steps as its
-    backwards end. per_update: microbatches per update, whose mean loss an update follows (2BW m, else 1).
-    Returns every microbatch's loss on the last stage, else []."""
-    stash = Stash(stages, comm, microbatches, per_update)
-    one_f_one_b_forward_backward(stages, comm, microbatches, stash)
-    return stash.losses
+    backwards end. Returns the mean loss over the run on the last stage, else None."""
+    return one_f_one_b_forward_backward(stages, comm, microbatches)
+
+
+SCHEDULES = {"pipedream": pipedream_forward_backward, "pipedream-2bw": pipedream_forward_backward}
+
+
+def stage_class(args, model, before_update):
+    """PipeDreamStage, bound to this rank's WeightVersions over `model`, stepped by a plain AdamW of its own
+    (each stage steps alone: no loss scale, no global norm). before_update: run before each optimizer
+    step (the data-parallel average)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    versions = WeightVersions(model, optimizer, args.steps * args.microbatches, version_rule(args),
+                              updates_every(args), not args.no_weight_stashing, before_update)
+    return partial(PipeDreamStage, versions=versions)
+
+
+def warm_up(run, microbatches):
+    """PipeDream's run is one pass, with no first step that the measurements can leave out as train.py's
+    flushed_steps leaves out step 0. So the first batch goes through the pipeline once before the clock
+    starts, off the timeline and the meter, on weight versions that never update, and its gradients are
+    dropped: the one-off costs of first passes (fresh memory, first calls, first messages) are paid outside
+    the measurement, and the run trains from the same weights. (The optimizer's first step, which creates
+    its state, still falls inside the run.)"""
+    kept = [stage.versions for stage in run.stages]
+    for stage in run.stages:  # every=len+1: this pass makes no update
+        stage.versions = WeightVersions(run.model, None, len(microbatches), every=len(microbatches) + 1)
+    run.timeline.enabled = run.meter.enabled = False
+    run.comm.begin_step()
+    pipedream_forward_backward(run.stages, run.comm, microbatches)
+    run.comm.finish_sends()
+    for stage, versions in zip(run.stages, kept):
+        stage.versions = versions
+        stage.losses.clear()
+    run.model.zero_grad(set_to_none=True)
+
+
+def train_steps(run, flushed_steps, replica_microbatches, share_loss, start_recording):
+    """PipeDream's run: one 1F1B pass over its steps x m microbatches, recorded as one step, the stages
+    updating as they go. Afterwards, one record per m microbatches: their mean loss, and the run's time
+    shared out evenly, since no rank stops between them. (flushed_steps serves the flushed families.)"""
+    args, m = run.args, run.args.microbatches
+    batches = [get_batch(run.tokens, step, args.batch_size, args.seq_len, args.seed) for step in range(args.steps)]
+    microbatches = [mb for inputs, targets in batches for mb in replica_microbatches(run, inputs, targets)]
+    warm_up(run, microbatches[:m])
+    run.timeline.enabled = run.meter.enabled = True
+    start_recording(run, 0)
+    start = time.perf_counter()
+    run.comm.begin_step()
+    pipedream_forward_backward(run.stages, run.comm, microbatches)
+    run.comm.finish_sends()
+    elapsed = time.perf_counter() - start
+    run.timeline.end_step()
+    losses = [loss for stage in run.stages for loss in stage.losses]  # the last stage's, else none
+    tokens = args.batch_size * args.seq_len
+    return [dict(step=step, loss=share_loss(run, sum(losses[step * m:(step + 1) * m]) / m if losses else None),
+                 step_time_s=elapsed / args.steps, tokens_per_s=tokens * args.steps / elapsed)
+            for step in range(args.steps)]
+
+
+def peaks(run) -> dict:
+    """This rank's peak of weight versions held at once (the live one included), and the bytes of one."""
+    versions = run.stages[0].versions
+    return dict(peak_weight_versions=versions.peak_versions, version_bytes=versions.version_bytes)
+
+
+def report_lines(args, record, name, stage_of):
+    """Each rank's peak of weight versions held, beside its formula, and what the extra ones cost.
+    name, stage_of: rank -> its name in the report, and the stage it holds."""
+    text, _ = peak_versions(args, 0)
+    lines = [f"weight versions, {args.schedule}: peak held (the live one included), measured vs formula {text}"]
+    for rank, (count, size) in enumerate(zip(record["peak_weight_versions"], record["version_bytes"])):
+        _, expected = peak_versions(args, stage_of(rank))
+        lines.append(f"  rank {rank} ({name(rank)}): {count} (formula {expected}), "
+                     f"{count - 1} stashed x {size / 2**20:.2f} MiB = {(count - 1) * size / 2**20:.2f} MiB")
+    return lines

@@ -21,6 +21,7 @@ from collections import deque
 
 import torch
 
+from stage import PipelineStage
 
 def bubble_formula(args):
     """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B).
@@ -65,14 +66,11 @@ class Stash:
     """What one rank keeps between a microbatch's forward and its backward, and the losses.
 
     stages: this rank's model chunks (one until step 05). comm: the PipelineComm whose receive buffers the
-    stash hands back after each backward. microbatches: [(tokens, targets)] of this replica. per_update:
-    how many microbatches' mean loss one optimizer step follows: all of them (the default), or fewer
-    when PipeDream runs a whole training run through one stash (pipedream.py).
+    stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
     """
 
-    def __init__(self, stages, comm, microbatches, per_update=None):
+    def __init__(self, stages, comm, microbatches):
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
-        self.per_update = per_update or len(microbatches)
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
         self.losses = []  # last stage only: each microbatch's mean loss, in microbatch order
 
@@ -95,8 +93,8 @@ class Stash:
         received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
         if stage.recompute:
             x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
-        if stage.is_last:  # d(mean loss of the update's microbatches) / d(microbatch mean loss)
-            out_grad = torch.full_like(out, 1 / self.per_update)
+        if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
+            out_grad = torch.full_like(out, 1 / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad)
         self.comm.recycle(*received)
         return input_grad
@@ -125,10 +123,9 @@ def afab_forward_backward(stages, comm, microbatches):
     return stash.loss
 
 
-def one_f_one_b_forward_backward(stages, comm, microbatches, stash=None):
-    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards.
-    stash: PipeDream brings its own (pipedream.py), for a run that is one 1F1B pass."""
-    stash = stash or Stash(stages, comm, microbatches)
+def one_f_one_b_forward_backward(stages, comm, microbatches):
+    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
+    stash = Stash(stages, comm, microbatches)
     m = len(microbatches)
     warmup = warmup_microbatches(comm.num_stages, comm.stage, m)
     steady = m - warmup
@@ -244,3 +241,23 @@ def interleaved_forward_backward(stages, comm, microbatches):
 
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
              "interleaved": interleaved_forward_backward}
+
+
+def stage_class(args, model, before_update):
+    """The stages a flushed schedule drives: plain PipelineStages (the optimizer steps once per batch)."""
+    return PipelineStage
+
+
+def train_steps(run, flushed_steps, *pieces):
+    """The flushed schedules train one batch per step: train.py's flushed_steps (the pieces are PipeDream's)."""
+    return flushed_steps(run)
+
+
+def peaks(run) -> dict:
+    """What this family measures beyond the activation meter: nothing."""
+    return {}
+
+
+def report_lines(args, record, name, stage_of) -> list:
+    """What this family reports beyond activation memory and the bubble: nothing."""
+    return []

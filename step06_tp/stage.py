@@ -19,9 +19,8 @@ sent to the next stage its values are dropped: only its autograd node is needed
 for the backward, since the next stage returns d(loss)/d(output) and the last
 operation of a stage (a residual add) saves nothing of its own output.
 
-With versions (PipeDream, pipedream.py) the stage runs each microbatch on the
-weight version that WeightVersions hands it, through torch.func.functional_call,
-and tells it when the backward is done, so that it can update the live weights.
+Two seams do nothing here, weights(mb) and backward_done(mb): PipeDream's stage
+(pipedream.py) overrides them to run on weight versions and update as it goes.
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
@@ -52,17 +51,21 @@ def custom_backward(out, grad):
 
 
 class PipelineStage:
-    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch,
-    with recompute, deallocation of sent outputs and PipeDream's weight versions (see the module's docstring).
-    It holds no schedule state: which microbatch runs when is the schedule's."""
+    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
+    (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
-    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None,
-                 versions=None):
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
         self.timeline = timeline or Timeline(enabled=False)
         self.meter = meter or ActivationMeter(enabled=False)
-        self.versions = versions  # PipeDream's WeightVersions, else None: the model's own weights
+
+    def weights(self, mb):
+        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own."""
+        return None
+
+    def backward_done(self, mb):
+        """mb's backward has put its gradients in: nothing more to do (PipeDream updates here)."""
 
     def _run(self, x, target, weights=None):
         # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
@@ -71,7 +74,7 @@ class PipelineStage:
 
     def forward(self, mb, x, target):
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
-        weights = self.versions.forward(mb) if self.versions else None
+        weights = self.weights(mb)
         with self.timeline.span("forward", mb, chunk=self.chunk):
             if self.recompute:
                 self.meter.keep(key, x)  # only the input is stored
@@ -86,7 +89,7 @@ class PipelineStage:
 
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
-        weights = self.versions.weights(mb) if self.versions else None  # the version the forward ran on
+        weights = self.weights(mb)  # those the forward ran on
         with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
                 torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
@@ -102,8 +105,7 @@ class PipelineStage:
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0)."""
         with self.timeline.span("backward", mb, chunk=self.chunk):
             custom_backward(out, out_grad)
-            if self.versions:  # PipeDream: the gradient goes to the live weights, maybe an update (timed as B)
-                self.versions.backward_done(mb)
+            self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
         self.meter.release((self.chunk, mb))
         return None if self.is_first else x.grad
 

@@ -13,12 +13,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from config import parse_flags
+from config import family, parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
@@ -26,12 +25,9 @@ from tensor_parallel import TPGroup
 from tied_embeddings import sum_embedding_grads
 from data_parallel import average_gradients
 from memory import ActivationMeter
-import pipedream
-import schedule
 from p2p import PipelineComm
-from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
 from process_groups import ProcessGroupManager
-from stage import PipelineStage, VirtualStages
+from stage import VirtualStages
 from report import gather_peaks, report
 from timeline import Timeline
 
@@ -77,13 +73,10 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     meter = ActivationMeter(model)
-    versions = None
-    if args.schedule in pipedream.SCHEDULES:  # the stage steps as it goes, on the versions it keeps
-        versions = WeightVersions(model, optimizer, args.steps * args.microbatches, version_rule(args),
-                                  updates_every(args), not args.no_weight_stashing,
-                                  partial(average_gradients, model, pgm, timeline))
-    stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
-                            timeline=timeline, meter=meter, versions=versions) for c, chunk in enumerate(model)]
+    before_update = lambda: average_gradients(model, pgm, timeline)  # PipeDream: each update's dp average
+    stage = family(args).stage_class(args, model, before_update)  # PipeDream's keeps weight versions
+    stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate, timeline=timeline,
+                    meter=meter) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p, args.scatter_gather)
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
@@ -116,7 +109,8 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
     run.comm.begin_step()
-    loss = schedule.SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    run_schedule = family(run.args).SCHEDULES[run.args.schedule]
+    loss = run_schedule(run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
@@ -154,51 +148,10 @@ def train_step(run, step: int) -> dict:
 
 
 def flushed_steps(run):
-    """One step per batch: its m microbatches through the pipeline, drained, then the optimizer."""
+    """One step per batch: the batch through the pipeline, drained, then the optimizer."""
     for step in range(run.args.steps):
         instrument(run, step)
         yield train_step(run, step)
-
-
-def warm_up(run, microbatches):
-    """PipeDream's run is one pass, with no first step that the measurements can leave out as flushed_steps
-    leaves out step 0. So the first batch goes through the pipeline once before the clock starts, off the
-    timeline and the meter, on weight versions that never update, and its gradients are dropped: the one-off
-    costs of first passes (fresh memory, first calls, first messages) are paid outside the measurement, and
-    the run trains from the same weights. (The optimizer's first step, which creates its state, still
-    falls inside the run.)"""
-    kept = [stage.versions for stage in run.stages]
-    for stage in run.stages:  # every=len+1: this pass makes no update
-        stage.versions = WeightVersions(run.model, run.optimizer, len(microbatches), every=len(microbatches) + 1)
-    run.timeline.enabled = run.meter.enabled = False
-    run.comm.begin_step()
-    pipedream_forward_backward(run.stages, run.comm, microbatches, 1)
-    run.comm.finish_sends()
-    for stage, versions in zip(run.stages, kept):
-        stage.versions = versions
-    run.model.zero_grad(set_to_none=True)
-
-
-def pipedream_steps(run) -> list:
-    """PipeDream: the whole run is one 1F1B pass over its steps x m microbatches, recorded as one step,
-    and the stages update as they go. Afterwards, one record per m microbatches: their mean loss, and
-    the run's time shared out evenly, since no rank stops between them."""
-    args, m = run.args, run.args.microbatches
-    batches = [get_batch(run.tokens, step, args.batch_size, args.seq_len, args.seed) for step in range(args.steps)]
-    microbatches = [mb for inputs, targets in batches for mb in replica_microbatches(run, inputs, targets)]
-    warm_up(run, microbatches[:m])
-    run.timeline.enabled = run.meter.enabled = True
-    start_recording(run, 0)
-    start = time.perf_counter()
-    run.comm.begin_step()
-    losses = pipedream_forward_backward(run.stages, run.comm, microbatches, updates_every(args))
-    run.comm.finish_sends()
-    elapsed = time.perf_counter() - start
-    run.timeline.end_step()
-    tokens = args.batch_size * args.seq_len
-    return [dict(step=step, loss=share_loss(run, sum(losses[step * m:(step + 1) * m]) / m if losses else None),
-                 step_time_s=elapsed / args.steps, tokens_per_s=tokens * args.steps / elapsed)
-            for step in range(args.steps)]
 
 
 def stop_if_diverged(record):
@@ -222,7 +175,7 @@ def train(args):
     # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
     # this rank through os._exit, which writes out no buffers.
     log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
-    records = pipedream_steps(run) if args.schedule in pipedream.SCHEDULES else flushed_steps(run)
+    records = family(args).train_steps(run, flushed_steps, replica_microbatches, share_loss, start_recording)
     for step, record in enumerate(records):
         if step == args.steps - 1:
             record.update(gather_peaks(run))

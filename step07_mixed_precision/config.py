@@ -303,10 +303,18 @@ def check_memory(args, world: int, cuda_available: bool):
                           f"{limit / 2**30:.1f} GiB available ({source})")
 
 
+def family(args):
+    """The module that runs and describes args.schedule, schedule.py (flushed) or pipedream.py: train.py and
+    report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm, microbatches)), the
+    formulas bubble_formula(args) and peak_stored_microbatches(args, stage), stage_class(args, model,
+    before_update), train_steps(run, flushed_steps, *pieces), peaks(run) and report_lines(args, record, ...)."""
+    return pipedream if args.schedule in PIPEDREAM else schedule
+
+
 def stages_bytes(args):
     """budget.stage_bytes of each stage, holding the peak stored (chunk, microbatch) pairs of its schedule's
     formula, each of a chunk of layers / (pp x v) layers."""
-    module = pipedream if args.schedule in PIPEDREAM else schedule
+    module = family(args)
     v = args.virtual_stages
     return [stage_bytes(args, module.peak_stored_microbatches(args, s)[1], args.pp * v, v) for s in range(args.pp)]
 

@@ -6,8 +6,8 @@ a schedule's memory formula counts. We see them with
 `torch.autograd.graph.saved_tensors_hooks`: the pack hook is called for every
 tensor autograd saves. Parameters and buffers are saved too (a matmul keeps its
 weight) but they exist anyway, so tensors sharing their storage are skipped: the
-model's, looked up at each forward (PipeDream moves them, pipedream.py), and the
-weight version a forward runs on.
+model's, looked up at each forward (PipeDream's copy-on-write gives them new
+storage, step 04), and the weights a forward runs on when not the model's own.
 This works on CPU, where there is no allocator to ask.
 
 Bytes are counted per storage, once, however many saved tensors or microbatches
@@ -50,7 +50,7 @@ class ActivationMeter:
     def saving(self, microbatch, weights=None):
         """Count everything autograd saves while the body runs as belonging to `microbatch`, but the
         weights: the model's parameters and buffers, and `weights` ({name: tensor}) if the forward runs
-        on a version of its own (PipeDream)."""
+        on weights of its own (PipeDream's versions, step 04)."""
         return self._hooks(microbatch, weights) if self.enabled else nullcontext()
 
     @contextmanager

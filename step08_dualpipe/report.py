@@ -10,57 +10,45 @@ from functools import partial
 
 import torch.distributed as dist
 
+from config import family
 from distributed import peak_memory_bytes
-import pipedream
-import schedule
 from process_groups import describe_rank
-from schedule import TWO_WAY
 from timeline import bubble_report, gather_events, mean_durations, write_chrome_trace
+
+
+def rank_name(args):
+    """rank -> the report's name for it: its stage, replica and TP rank."""
+    return partial(describe_rank, dp=args.dp, tp=args.tp)
+
+
+def stage_of(args, rank: int) -> int:
+    """The pipeline stage `rank` holds (rank = (stage x dp + replica) x tp + TP rank)."""
+    return rank // (args.dp * args.tp)
 
 
 def gather_peaks(run) -> dict:
     """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
-    versions = run.stages[0].versions
+    mine = dict(peak_mem_bytes=peak_memory_bytes(run.device), peak_activation_bytes=run.meter.peak_bytes,
+                peak_stored_microbatches=run.meter.peak_stored_microbatches,
+                param_bytes=sum(p.numel() * p.element_size() for p in run.model.parameters()),  # DualPipe holds 2x
+                **family(run.args).peaks(run))
     peaks = [None] * dist.get_world_size()
-    params = sum(p.numel() * p.element_size() for p in run.model.parameters())  # step 08: DualPipe holds 2x
-    dist.all_gather_object(peaks, (peak_memory_bytes(run.device), run.meter.peak_bytes,
-                                   run.meter.peak_stored_microbatches, params,
-                                   (versions.peak_versions, versions.version_bytes) if versions else None))
-    record = dict(peak_mem_bytes=[p[0] for p in peaks], peak_activation_bytes=[p[1] for p in peaks],
-                  peak_stored_microbatches=[p[2] for p in peaks], param_bytes=[p[3] for p in peaks])
-    if versions:  # PipeDream: weight versions held at once (the live one included), and the bytes of one
-        record.update(peak_weight_versions=[p[4][0] for p in peaks], version_bytes=[p[4][1] for p in peaks])
-    return record
-
-
-def formulas(args):
-    """The module whose formulas describe this run: pipedream's for a run with no flush, else schedule's."""
-    return pipedream if args.schedule in pipedream.SCHEDULES else schedule
+    dist.all_gather_object(peaks, mine)
+    return {key: [p[key] for p in peaks] for key in mine}
 
 
 def memory_report(args, record):
     """Each rank's peak of stored microbatch activations, measured beside the schedule's formula."""
-    peak_stored_microbatches = formulas(args).peak_stored_microbatches
+    peak_stored_microbatches = family(args).peak_stored_microbatches
     text, _ = peak_stored_microbatches(args, 0)
     lines = [f"activation memory, {args.schedule}: peak stored microbatches, measured vs formula {text}"]
     for rank, (count, size) in enumerate(zip(record["peak_stored_microbatches"], record["peak_activation_bytes"])):
-        _, expected = peak_stored_microbatches(args, rank // (args.dp * args.tp))
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp, args.tp)}): {count} (formula {expected}), "
+        _, expected = peak_stored_microbatches(args, stage_of(args, rank))
+        lines.append(f"  rank {rank} ({rank_name(args)(rank)}): {count} (formula {expected}), "
                      f"{size / 2**20:.2f} MiB")
     twice = " (dualpipe: each pipeline holds every stage twice)" if args.schedule == "dualpipe" else ""
     lines.append(f"parameters per rank{twice}, MiB: " + " ".join(f"{b / 2**20:.2f}" for b in record["param_bytes"]))
-    return lines + (versions_report(args, record) if "peak_weight_versions" in record else [])
-
-
-def versions_report(args, record):
-    """PipeDream: each rank's peak of weight versions held, beside its formula, and what the extra ones cost."""
-    text, _ = pipedream.peak_versions(args, 0)
-    lines = [f"weight versions, {args.schedule}: peak held (the live one included), measured vs formula {text}"]
-    for rank, (count, size) in enumerate(zip(record["peak_weight_versions"], record["version_bytes"])):
-        _, expected = pipedream.peak_versions(args, rank // (args.dp * args.tp))
-        lines.append(f"  rank {rank} ({describe_rank(rank, args.dp, args.tp)}): {count} (formula {expected}), "
-                     f"{count - 1} stashed x {size / 2**20:.2f} MiB = {(count - 1) * size / 2**20:.2f} MiB")
-    return lines
+    return lines + family(args).report_lines(args, record, rank_name(args), partial(stage_of, args))
 
 
 def report(run, last_record):
@@ -69,14 +57,10 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    split = run.args.schedule in ("zb1p", *TWO_WAY)
-    times = mean_durations(events, ("forward", "B", "W")) if split else None
-    if run.args.schedule in pipedream.SCHEDULES:
-        text, value = pipedream.bubble_formula(run.args)
-    else:
-        text, value = schedule.bubble_formula(run.args, times)
-    label = partial(describe_rank, dp=run.args.dp, tp=run.args.tp)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
+    # The split schedules' formulas (zb1p, DualPipe) take the mean F, B and W measured in this run.
+    times = mean_durations(events, ("forward", "B", "W")) if any(e["kind"] == "W" for e in events) else None
+    text, value = family(run.args).bubble_formula(run.args, times)
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args))))
     if run.args.trace:
-        write_chrome_trace(events, run.args.trace, label)
+        write_chrome_trace(events, run.args.trace, rank_name(run.args))
         print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")

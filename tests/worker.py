@@ -9,7 +9,8 @@ never meet in one process) and uses the step's public training API:
     train.build(args, device)     -> run, with run.model and run.optimizer
     train.compute_gradients(run, step) -> loss (float, same on every rank)
     train.train_step(run, step)   -> dict with "loss", after an optimizer step
-    train.pipedream_steps(run)    -> PipeDream (step 04 on): the whole run, one record per step
+    config.family(args).train_steps(run, train.flushed_steps, train.replica_microbatches, train.share_loss,
+        train.start_recording)    -> PipeDream (step 04 on, pipedream.py): the whole run, one record per step
     distributed.init_distributed(device, timeout_s)   on the device the cases' --device names (cuda: NCCL)
 
 For every case it saves this rank's loss, gradients after step 0, and weights
@@ -113,7 +114,9 @@ def pipedream_run(train, argv, device, out_case: Path, rank: int):
     status(out_case.parent, rank, f"[{' '.join(argv)}]: the PipeDream run")
     versions = run.stages[0].versions  # one per rank, shared by its stages
     log = record_versions(versions)
-    losses = [record["loss"] for record in train.pipedream_steps(run)]
+    records = train.family(args).train_steps(run, train.flushed_steps, train.replica_microbatches, train.share_loss,
+                                             train.start_recording)
+    losses = [record["loss"] for record in records]
     pgm = run.pgm
     torch.save(dict(losses=losses, names=[n for n, _ in run.model.named_parameters()],
                     weights={n: p.detach().cpu().clone() for n, p in run.model.named_parameters()},
