@@ -15,6 +15,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 
+import checkpoint
 from budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
 from distributed import world_from_env
@@ -76,6 +77,13 @@ def build_parser(description=None):
     group = p.add_argument_group("output", "what the run writes besides its report")
     group.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
     group.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
+    group = p.add_argument_group("checkpoint", "saving the run and resuming it (checkpoint.py)")
+    group.add_argument("--save", default=None, metavar="DIR", help="save checkpoints into this folder")
+    group.add_argument("--save-every", type=int, default=None, metavar="N",
+                       help="save every N optimizer steps (default: only after the last)")
+    group.add_argument("--keep", type=int, default=2, help="keep the newest K checkpoints in --save")
+    group.add_argument("--resume", default=None, metavar="DIR",
+                       help="go on from the newest complete checkpoint in DIR, up to --steps")
     return p
 
 
@@ -159,6 +167,45 @@ def check_output(flag: str, path: str):
         raise ConfigError(f"{flag} {path} cannot be written: {err.strerror} in {folder}") from None
 
 
+def check_checkpoints(args):
+    """--save must be writable and --resume hold a complete checkpoint of this model, before any work."""
+    if args.save_every is not None and args.save_every < 1 or args.keep < 1:
+        raise ConfigError(f"--save-every {args.save_every} and --keep {args.keep} must be at least 1")
+    if args.save:
+        check_save_folder(args.save)
+    if args.resume:
+        check_resume(args)
+
+
+def check_save_folder(path: str):
+    """--save's folder must be writable, or, if it does not exist yet, its parent (the run creates it)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--save {path} is a file: give a folder")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--save {path}: the folder {folder} does not exist")
+    try:
+        tempfile.TemporaryDirectory(dir=folder).cleanup()
+    except OSError as err:
+        raise ConfigError(f"--save {path} cannot be written: {err.strerror} in {folder}") from None
+
+
+def check_resume(args):
+    path = checkpoint.newest(args.resume)
+    if path is None:
+        raise ConfigError(f"--resume {args.resume} holds no complete checkpoint (a folder stepNNNNNNNN "
+                          "with DCP's .metadata)")
+    saved, wanted = checkpoint.read_facts(path), checkpoint.facts(args, 0)
+    for flag in (*checkpoint.SHAPE_FLAGS, "vocab_size"):
+        if saved[flag] != wanted[flag]:
+            name = "the vocabulary" if flag == "vocab_size" else f"--{flag}"
+            raise ConfigError(f"--resume {path} was saved with {name} {saved[flag]}, this run has {name} {wanted[flag]}: "
+                              "a checkpoint loads only into a model of its shape")
+    if saved["step"] >= args.steps:
+        raise ConfigError(f"--resume {path} is at step {saved['step']}, not before --steps {args.steps}: "
+                          "nothing is left to run")
+
+
 def check_numbers(args):
     positive(args, "--pp", "--dp", "--batch-size", "--microbatches", "--seq-len", "--layers", "--hidden", "--heads",
              "--steps", "--lr", "--timeout")
@@ -209,5 +256,6 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_device(args.device, cuda_available)
     check_model(args)
     check_files(args)
+    check_checkpoints(args)
     check_memory(args, world_size, cuda_available)
     return args

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+import checkpoint
 from config import parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
@@ -181,10 +182,12 @@ def stop_if_diverged(record):
 def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
+    start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
     # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
-    # this rank through os._exit, which writes out no buffers.
-    log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
-    for step in range(args.steps):
+    # this rank through os._exit, which writes out no buffers. A resumed run appends to its log.
+    mode = "a" if args.resume else "w"
+    log = open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    for step in range(start, args.steps):
         instrument(run, step)
         record = train_step(run, step)
         if step == args.steps - 1:
@@ -195,6 +198,8 @@ def train(args):
             if log:
                 log.write(json.dumps(record) + "\n")
         stop_if_diverged(record)
+        if checkpoint.due(args, step + 1):
+            checkpoint.save(run, step + 1)
     if log:
         log.close()
     report(run, record)
