@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import warnings
 
 import torch
@@ -72,6 +73,45 @@ def read_facts(path: str) -> dict:
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=path, no_dist=True)
     return json.loads(state["run"])
+
+
+def check_flags(args):
+    """Refuse, before any work, what a run could only fail at later: a ValueError with one line."""
+    if args.save_every is not None and args.save_every < 1 or args.keep < 1:
+        raise ValueError(f"--save-every {args.save_every} and --keep {args.keep} must be at least 1")
+    if args.save:
+        check_save_folder(args.save)
+    if args.resume:
+        check_resume(args, newest(args.resume))
+
+
+def check_save_folder(path: str):
+    """--save's folder must be writable, or, if it does not exist yet, its parent (the run creates it)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--save {path} is a file: give a folder")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--save {path}: the folder {folder} does not exist")
+    try:
+        tempfile.TemporaryDirectory(dir=folder).cleanup()
+    except OSError as err:
+        raise ValueError(f"--save {path} cannot be written: {err.strerror} in {folder}") from None
+
+
+def check_resume(args, path):
+    """The newest complete checkpoint exists, holds this model's shape, and leaves steps to run."""
+    if path is None:
+        raise ValueError(f"--resume {args.resume} holds no complete checkpoint (a folder stepNNNNNNNN with "
+                         "DCP's .metadata)")
+    saved, wanted = read_facts(path), facts(args, 0)
+    for flag in ("vocab_size", *SHAPE_FLAGS):
+        if saved[flag] != wanted[flag]:
+            name = "the vocabulary" if flag == "vocab_size" else f"--{flag}"
+            raise ValueError(f"--resume {path} was saved with {name} {saved[flag]}, this run has {name} "
+                             f"{wanted[flag]}: a checkpoint loads only into a model of its shape")
+    if saved["step"] >= args.steps:
+        raise ValueError(f"--resume {path} is at step {saved['step']}, not before --steps {args.steps}: "
+                         "nothing is left to run")
 
 
 def adamw_state(optimizer, param) -> dict:

@@ -168,42 +168,11 @@ def check_output(flag: str, path: str):
 
 
 def check_checkpoints(args):
-    """--save must be writable and --resume hold a complete checkpoint of this model, before any work."""
-    if args.save_every is not None and args.save_every < 1 or args.keep < 1:
-        raise ConfigError(f"--save-every {args.save_every} and --keep {args.keep} must be at least 1")
-    if args.save:
-        check_save_folder(args.save)
-    if args.resume:
-        check_resume(args)
-
-
-def check_save_folder(path: str):
-    """--save's folder must be writable, or, if it does not exist yet, its parent (the run creates it)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--save {path} is a file: give a folder")
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"--save {path}: the folder {folder} does not exist")
+    """--save must be writable, and --resume hold a checkpoint this run can continue (checkpoint.py)."""
     try:
-        tempfile.TemporaryDirectory(dir=folder).cleanup()
-    except OSError as err:
-        raise ConfigError(f"--save {path} cannot be written: {err.strerror} in {folder}") from None
-
-
-def check_resume(args):
-    path = checkpoint.newest(args.resume)
-    if path is None:
-        raise ConfigError(f"--resume {args.resume} holds no complete checkpoint (a folder stepNNNNNNNN "
-                          "with DCP's .metadata)")
-    saved, wanted = checkpoint.read_facts(path), checkpoint.facts(args, 0)
-    for flag in (*checkpoint.SHAPE_FLAGS, "vocab_size"):
-        if saved[flag] != wanted[flag]:
-            name = "the vocabulary" if flag == "vocab_size" else f"--{flag}"
-            raise ConfigError(f"--resume {path} was saved with {name} {saved[flag]}, this run has {name} {wanted[flag]}: "
-                              "a checkpoint loads only into a model of its shape")
-    if saved["step"] >= args.steps:
-        raise ConfigError(f"--resume {path} is at step {saved['step']}, not before --steps {args.steps}: "
-                          "nothing is left to run")
+        checkpoint.check_flags(args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_numbers(args):
