@@ -75,6 +75,17 @@ def read_facts(path: str) -> dict:
     return json.loads(state["run"])
 
 
+def add_flags(p):
+    """The flags of this module, a group of their own in train.py's --help."""
+    group = p.add_argument_group("checkpoint", "saving the run and resuming it (checkpoint.py)")
+    group.add_argument("--save", default=None, metavar="DIR", help="save checkpoints into this folder")
+    group.add_argument("--save-every", type=int, default=None, metavar="N",
+                       help="save every N optimizer steps (default: only after the last)")
+    group.add_argument("--keep", type=int, default=2, help="keep the newest K checkpoints in --save")
+    group.add_argument("--resume", default=None, metavar="DIR",
+                       help="go on from the newest complete checkpoint in DIR, up to --steps")
+
+
 def check_flags(args):
     """Refuse, before any work, what a run could only fail at later: a ValueError with one line."""
     if args.save_every is not None and args.save_every < 1 or args.keep < 1:
@@ -124,15 +135,15 @@ def adamw_state(optimizer, param) -> dict:
 
 
 def entries(run):
-    """(global name, the parameter as saved, the parameter the optimizer steps) of this rank."""
-    return [(name, p.detach(), p) for name, p in run.model.named_parameters()]
+    """(global name, parameter, the tensor AdamW steps for it) of each of this rank's parameters."""
+    return [(name, p, p) for name, p in run.model.named_parameters()]
 
 
 def state_of(run, step: int) -> dict:
     """This rank's part of the checkpoint, as DCP saves it and loads into it (in place)."""
     items = entries(run)
-    return {"model": {name: saved for name, saved, _ in items},
-            "optimizer": {name: adamw_state(run.optimizer, p) for name, _, p in items},
+    return {"model": {name: stepped.detach() for name, _, stepped in items},
+            "optimizer": {name: adamw_state(run.optimizer, stepped) for name, _, stepped in items},
             "run": json.dumps(facts(run.args, step))}
 
 
@@ -163,6 +174,6 @@ def load(run, path: str) -> int:
     """Load the checkpoint at path into this rank's parameters and optimizer; returns its step."""
     state = state_of(run, 0)
     dcp.load(state, checkpoint_id=path)  # reads this rank's entries, whichever ranks wrote them
-    for name, _, p in entries(run):
-        run.optimizer.state[p] = state["optimizer"][name]
+    for name, _, stepped in entries(run):
+        run.optimizer.state[stepped] = state["optimizer"][name]
     return json.loads(state["run"])["step"]

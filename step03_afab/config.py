@@ -77,13 +77,7 @@ def build_parser(description=None):
     group = p.add_argument_group("output", "what the run writes besides its report")
     group.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
     group.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
-    group = p.add_argument_group("checkpoint", "saving the run and resuming it (checkpoint.py)")
-    group.add_argument("--save", default=None, metavar="DIR", help="save checkpoints into this folder")
-    group.add_argument("--save-every", type=int, default=None, metavar="N",
-                       help="save every N optimizer steps (default: only after the last)")
-    group.add_argument("--keep", type=int, default=2, help="keep the newest K checkpoints in --save")
-    group.add_argument("--resume", default=None, metavar="DIR",
-                       help="go on from the newest complete checkpoint in DIR, up to --steps")
+    checkpoint.add_flags(p)
     return p
 
 
@@ -167,14 +161,6 @@ def check_output(flag: str, path: str):
         raise ConfigError(f"{flag} {path} cannot be written: {err.strerror} in {folder}") from None
 
 
-def check_checkpoints(args):
-    """--save must be writable, and --resume hold a checkpoint this run can continue (checkpoint.py)."""
-    try:
-        checkpoint.check_flags(args)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
 def check_numbers(args):
     positive(args, "--pp", "--dp", "--batch-size", "--microbatches", "--seq-len", "--layers", "--hidden", "--heads",
              "--steps", "--lr", "--timeout")
@@ -225,6 +211,9 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_device(args.device, cuda_available)
     check_model(args)
     check_files(args)
-    check_checkpoints(args)
+    try:  # --save must be writable, and --resume hold a checkpoint this run can continue
+        checkpoint.check_flags(args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check_memory(args, world_size, cuda_available)
     return args

@@ -158,12 +158,31 @@ def launches(step: str, plan):
         one = new(1)
         one.run("after_crash", "--pp", "1", steps=3, resume_in="crash")
         one.run("one", "--pp", "1", steps=4, resume="a", grads_at=3)
+    elif step == "step04_1f1b":
+        four = new(4)
+        four.run("a", "--pp", "2", "--dp", "2", grads_at=3)
+        four.run("a_resumed", "--pp", "2", "--dp", "2", resume="a")
+        four.run("pp4", "--pp", "4", steps=4, resume="a", grads_at=3)
+    elif step == "step05_interleaved":
+        four = new(4)
+        four.run("a", "--pp", "4", "--layers", "8", grads_at=3)
+        four.run("a_resumed", "--pp", "4", "--layers", "8", resume="a")
+        four.run("v2", "--pp", "4", "--layers", "8", "--virtual-stages", "2", steps=4, resume="a", grads_at=3)
+        two = new(2)
+        two.run("pp2", "--pp", "2", "--layers", "8", steps=4, resume="a", grads_at=3)
+        two.run("b", "--pp", "2", "--layers", "8", "--virtual-stages", "2")
+        two.run("b_resumed", "--pp", "2", "--layers", "8", "--virtual-stages", "2", resume="b")
     return done
 
 
-RESUME = {"step03_afab": [("a", "a_resumed")]}
+RESUME = {"step03_afab": [("a", "a_resumed")], "step04_1f1b": [("a", "a_resumed")],
+          "step05_interleaved": [("a", "a_resumed"), ("b", "b_resumed")]}
+DP_ORDER = ("pp 2 x dp 2 sums 4 microbatches of 1 sequence on each replica, then averages the 2 replicas; "
+            "pp 4 sums 4 microbatches of 2 sequences: another order of the same sum")
 RESHARD = {  # (source, target, rtol, why not bitwise)
     "step03_afab": [("a", "one", 0, "")],
+    "step04_1f1b": [("a", "pp4", RESHARD_RTOL, DP_ORDER)],
+    "step05_interleaved": [("a", "v2", 0, ""), ("a", "pp2", 0, "")],
 }
 
 
@@ -239,10 +258,14 @@ def bad_inputs(out: Path, step: str):
         (["--save", str(out / "a.jsonl")], ["a.jsonl is a file"]),
         (["--save", "/no/such/folder/ckpt"], ["/no/such/folder", "does not exist"]),
     ]
+    if step >= "step04":
+        cases += [(["--schedule", "pipedream", "--save", str(out / "s")], ["--save does not fit --schedule pipedream"]),
+                  (["--schedule", "pipedream-2bw", "--resume", a, "--steps", "10"],
+                   ["--resume does not fit --schedule pipedream-2bw", "no step boundary"])]
     return [([*SMALL, "--pp", "1", *flags], texts) for flags, texts in cases]
 
 
-@pytest.mark.parametrize("step", ["step03_afab"])
+@pytest.mark.parametrize("step", ["step03_afab", "step04_1f1b"])
 def test_bad_checkpoint_flags_are_refused_with_one_line(step, step_dirs, checkpoint_runs):
     """Each bad --save, --save-every, --keep or --resume ends train.parse_args (rank 0 of 1, before any
     process group) with exit code 2 and one `error:` line naming it (tests/check_bad_flags.py)."""
