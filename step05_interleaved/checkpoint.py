@@ -117,7 +117,7 @@ def check_resume(args, path):
     saved, wanted = read_facts(path), facts(args, 0)
     for flag in ("vocab_size", *SHAPE_FLAGS):
         if saved[flag] != wanted[flag]:
-            name = "the vocabulary" if flag == "vocab_size" else f"--{flag}"
+            name = "the vocabulary" if flag == "vocab_size" else "--" + flag.replace("_", "-")
             raise ValueError(f"--resume {path} was saved with {name} {saved[flag]}, this run has {name} "
                              f"{wanted[flag]}: a checkpoint loads only into a model of its shape")
     if saved["step"] >= args.steps:

@@ -172,17 +172,41 @@ def launches(step: str, plan):
         two.run("pp2", "--pp", "2", "--layers", "8", steps=4, resume="a", grads_at=3)
         two.run("b", "--pp", "2", "--layers", "8", "--virtual-stages", "2")
         two.run("b_resumed", "--pp", "2", "--layers", "8", "--virtual-stages", "2", resume="b")
+    elif step == "step06_tp":
+        four = new(4)
+        four.run("a", "--tp", "2", "--pp", "2", grads_at=3)
+        four.run("a_resumed", "--tp", "2", "--pp", "2", resume="a")
+        four.run("pp4", "--tp", "1", "--pp", "4", steps=4, resume="a", grads_at=3)
+        four.run("tied", "--tp", "2", "--pp", "2", "--tie-embeddings")
+        four.run("tied_resumed", "--tp", "2", "--pp", "2", "--tie-embeddings", resume="tied")
+        new(1).run("one", "--tp", "1", "--pp", "1", steps=4, resume="a", grads_at=3)
+    elif step == "step07_mixed_precision":
+        two = new(2)
+        for name, precision in (("a", "fp16"), ("b", "bf16")):
+            two.run(name, "--pp", "2", "--precision", precision)
+            two.run(f"{name}_resumed", "--pp", "2", "--precision", precision, resume=name)
+    elif step == "step08_dualpipe":
+        two = new(2)
+        for name, schedule in (("a", "zb1p"), ("b", "dualpipev"), ("c", "dualpipe")):
+            two.run(name, "--pp", "2", "--schedule", schedule)
+            two.run(f"{name}_resumed", "--pp", "2", "--schedule", schedule, resume=name)
     return done
 
 
 RESUME = {"step03_afab": [("a", "a_resumed")], "step04_1f1b": [("a", "a_resumed")],
-          "step05_interleaved": [("a", "a_resumed"), ("b", "b_resumed")]}
+          "step05_interleaved": [("a", "a_resumed"), ("b", "b_resumed")],
+          "step06_tp": [("a", "a_resumed"), ("tied", "tied_resumed")],
+          "step07_mixed_precision": [("a", "a_resumed"), ("b", "b_resumed")],
+          "step08_dualpipe": [("a", "a_resumed"), ("b", "b_resumed"), ("c", "c_resumed")]}
 DP_ORDER = ("pp 2 x dp 2 sums 4 microbatches of 1 sequence on each replica, then averages the 2 replicas; "
             "pp 4 sums 4 microbatches of 2 sequences: another order of the same sum")
+TP_ORDER = ("at tp 2 each row-parallel layer (wo, down) and the vocabulary-parallel loss sum 2 ranks' partial "
+            "results in an all-reduce, at tp 1 one matrix product sums them: another order of the same sum")
 RESHARD = {  # (source, target, rtol, why not bitwise)
     "step03_afab": [("a", "one", 0, "")],
     "step04_1f1b": [("a", "pp4", RESHARD_RTOL, DP_ORDER)],
     "step05_interleaved": [("a", "v2", 0, ""), ("a", "pp2", 0, "")],
+    "step06_tp": [("a", target, RESHARD_RTOL, TP_ORDER) for target in ("pp4", "one")],
 }
 
 
@@ -262,10 +286,13 @@ def bad_inputs(out: Path, step: str):
         cases += [(["--schedule", "pipedream", "--save", str(out / "s")], ["--save does not fit --schedule pipedream"]),
                   (["--schedule", "pipedream-2bw", "--resume", a, "--steps", "10"],
                    ["--resume does not fit --schedule pipedream-2bw", "no step boundary"])]
+    if step >= "step07":
+        cases += [(["--resume", str(out / "b"), "--precision", "fp16", "--steps", "10"],
+                   ["saved in bf16 with no dynamic loss scaler", "--precision fp16"])]
     return [([*SMALL, "--pp", "1", *flags], texts) for flags, texts in cases]
 
 
-@pytest.mark.parametrize("step", ["step03_afab", "step04_1f1b"])
+@pytest.mark.parametrize("step", ["step03_afab", "step04_1f1b", "step07_mixed_precision"])
 def test_bad_checkpoint_flags_are_refused_with_one_line(step, step_dirs, checkpoint_runs):
     """Each bad --save, --save-every, --keep or --resume ends train.parse_args (rank 0 of 1, before any
     process group) with exit code 2 and one `error:` line naming it (tests/check_bad_flags.py)."""
@@ -281,3 +308,14 @@ def test_bad_checkpoint_flags_are_refused_with_one_line(step, step_dirs, checkpo
                 if found["exit_code"] != 2 or not found["last_line"].startswith("error: ")
                 or not all(t in found["last_line"] for t in texts)]
     assert not problems, "\n".join(problems)
+
+
+def test_dualpipe_saves_each_stage_once(checkpoint_runs):
+    """DualPipe holds every stage on two ranks (the reverse-direction copy marked `shared`): its checkpoint's
+    files hold each tensor once, about the bytes of the entries DCP's index lists, not twice that."""
+    folder = checkpoint_runs("step08_dualpipe") / "c" / step_name(6)
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    entries = sum(m.size.numel() * m.properties.dtype.itemsize for m in meta.values()
+                  if isinstance(m, TensorStorageMetadata))
+    written = sum(f.stat().st_size for f in folder.glob("*.distcp"))
+    assert entries <= written < 1.5 * entries, (entries, written)
