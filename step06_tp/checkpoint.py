@@ -19,8 +19,10 @@ master weights are not; one hand-made dict serves every step.
 Each rank hands `dcp.save` only its own entries. DCP gathers every rank's plan on rank 0, gives each
 entry that several ranks hold (the data-parallel replicas) to one of them (`dedup_save_plans`), every
 rank writes its own file at the same time, and rank 0 writes the index, `.metadata`, once all have
-written. `dcp.load` reads that index and fetches, for each entry a rank asks for, the bytes whichever
-rank wrote: a run at pp 2 loads the checkpoint of a run at pp 4, or of one process.
+written (torch/distributed/checkpoint/state_dict_saver.py: `reduce_scatter("plan", ...)`, then
+`all_reduce("write", write_data, finish_checkpoint)`; filesystem.py, `FileSystemWriter.finish`). `dcp.load`
+reads that index and fetches, for each entry a rank asks for, the bytes whichever rank wrote: a run at
+pp 2 loads the checkpoint of a run at pp 4, or of one process.
 
 A checkpoint is complete or absent. DCP writes into DIR/step00000006.tmp; after a barrier (every
 rank has written), rank 0 renames it to DIR/step00000006, one atomic rename. A run killed in the

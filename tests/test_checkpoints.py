@@ -246,7 +246,8 @@ def test_control_a_checkpoint_without_optimizer_state_fails_the_check(checkpoint
 
 
 @pytest.mark.parametrize("step, source, target, rtol, why",
-                         [(s, *pair) for s, pairs in RESHARD.items() for pair in pairs])
+                         [pytest.param(s, *pair, id=f"{s}:{pair[0]}->{pair[1]}") for s, pairs in RESHARD.items()
+                          for pair in pairs])
 def test_a_checkpoint_loads_into_another_layout(step, source, target, rtol, why, checkpoint_runs):
     """A run resumed from another layout's step-3 checkpoint: its step-3 loss and gradients equal those of
     the uninterrupted run (bitwise where the summation order is the same; else within rtol, for `why`)."""
