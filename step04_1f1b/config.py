@@ -15,6 +15,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 
+import checkpoint
 from budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
 from distributed import world_from_env
@@ -89,6 +90,7 @@ def build_parser(description=None):
     group = p.add_argument_group("output", "what the run writes besides its report")
     group.add_argument("--log-json", default=None, help="write one JSON object per optimizer step here")
     group.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timeline here")
+    checkpoint.add_flags(p)
     return p
 
 
@@ -161,6 +163,10 @@ def check_pipedream(args):
     if args.vertical_sync and args.no_weight_stashing:
         raise ConfigError("--vertical-sync runs microbatches on versions older than the live weights, which "
                           "only weight stashing keeps: drop --no-weight-stashing")
+    if args.schedule in PIPEDREAM and (args.save or args.resume):
+        raise ConfigError(f"--{'save' if args.save else 'resume'} does not fit --schedule {args.schedule}: its "
+                          "stages update at different times, weight versions in flight, so the run has no step "
+                          "boundary to save or resume at")
     n, least = args.steps * args.microbatches, 2 * (args.pp - 1)
     if args.schedule == "pipedream" and n < least:
         raise ConfigError(f"--steps {args.steps} x --microbatches {args.microbatches} = {n} must be at least "
@@ -261,5 +267,9 @@ def check_config(args, world_size: int, cuda_available: bool):
     check_device(args.device, cuda_available)
     check_model(args)
     check_files(args)
+    try:  # --save must be writable, and --resume hold a checkpoint this run can continue
+        checkpoint.check_flags(args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check_memory(args, world_size, cuda_available)
     return args

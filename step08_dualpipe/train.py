@@ -18,10 +18,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+import checkpoint
 from config import family, parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
@@ -167,9 +169,10 @@ def train_step(run, step: int) -> dict:
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed, **update)
 
 
-def flushed_steps(run):
-    """One step per batch: the batch through the pipeline, drained, then the optimizer."""
-    for step in range(run.args.steps):
+def flushed_steps(run, start=0):
+    """One step per batch: the batch through the pipeline, drained, then the optimizer (from step `start` on: a
+    resumed run goes on from its checkpoint's step)."""
+    for step in range(start, run.args.steps):
         instrument(run, step)
         yield train_step(run, step)
 
@@ -192,11 +195,14 @@ def stop_if_diverged(record):
 def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
+    start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
     # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
-    # this rank through os._exit, which writes out no buffers.
-    log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
-    records = family(args).train_steps(run, flushed_steps, replica_microbatches, share_loss, start_recording)
-    for step, record in enumerate(records):
+    # this rank through os._exit, which writes out no buffers. A resumed run appends to its log.
+    mode = "a" if args.resume else "w"
+    log = open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    records = family(args).train_steps(run, partial(flushed_steps, start=start), replica_microbatches, share_loss,
+                                       start_recording)
+    for step, record in enumerate(records, start):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
         if dist.get_rank() == 0:
@@ -207,6 +213,8 @@ def train(args):
             if log:
                 log.write(json.dumps(record) + "\n")
         stop_if_diverged(record)
+        if checkpoint.due(args, step + 1):
+            checkpoint.save(run, step + 1)
     if log:
         log.close()
     report(run, record)
