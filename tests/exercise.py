@@ -206,6 +206,7 @@ def command_start(exercise, force=False):
     if folder.exists():
         shutil.rmtree(folder)
     shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (COPIES / ".gitignore").write_text("*\n")  # the learner's copies stay out of the course's git
     stub_copy(exercise, folder)
     where = ", ".join(f"{shown(folder / file)}: {qualname}" for file, qualname in exercise["functions"])
     print(f"exercise {exercise['id']} ({exercise['step']}): write {where}")

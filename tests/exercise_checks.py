@@ -8,6 +8,7 @@
 Each prints what it found, the first problem only, in a few lines, and exits 0 (passed) or 1 (failed).
 """
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -131,9 +132,9 @@ def failure_lines(text, step_dir, most=8):
     last line, with the frame of the learner's folder it came from."""
     folder, lines, frame = str(Path(step_dir).resolve()), [], None
     for line in text.splitlines():
-        stripped = line.strip()
+        stripped = re.sub(r"^\[rank\d+\]:", "", line.strip()).strip()  # torch's prefix of a rank's traceback
         if stripped.startswith("rank ") and (" exited " in stripped or " stalled " in stripped):
-            lines.append(stripped.split("; last output")[0])
+            lines.append(re.sub(r"\[--.*?\]: ", "", stripped.split("; last output")[0]))  # the case's flags: shown
             frame = None
         elif stripped.startswith(f'File "{folder}'):
             path, _, rest = stripped[6:].partition('", line ')

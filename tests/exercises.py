@@ -361,14 +361,14 @@ EXERCISES = [
              "per weight gradient into the cache instead of computing it. split(key) turns deferring on for "
              "its block, then files the cache as one W under key (only when enabled). pop(key) runs the "
              "oldest W's closures, refusing any other key: W's run in the order of their B's.",
-        checks=[("pytest", "tests/test_weight_grad_store.py::test_store_runs_each_w_under_its_key_oldest_first[{step}]",
-                 "tests/test_weight_grad_store.py::test_b_then_w_equals_one_backward_bitwise[{step}]"),
-                ("replay", ["zb1p"])],
+        checks=[("replay", ["zb1p"]),
+                ("pytest", "tests/test_weight_grad_store.py::test_store_runs_each_w_under_its_key_oldest_first[{step}]",
+                 "tests/test_weight_grad_store.py::test_b_then_w_equals_one_backward_bitwise[{step}]")],
         hints=["Turn deferring off in a finally: a backward that raises must not leave it on.",
                "A deque: append on the right, popleft the oldest."],
         wrong=[("the newest W run first", "weight_grad_store.py",
                 "for closure in cls.queue.popleft()[1]:", "for closure in cls.queue.pop()[1]:",
-                ["ran"])],
+                ["before the W of"])],
     ),
     dict(
         id="08.zb1p", step="step08_dualpipe",
