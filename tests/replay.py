@@ -43,7 +43,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from argparse import Namespace
 from collections import defaultdict, deque
 from concurrent.futures import ProcessPoolExecutor
@@ -52,6 +51,7 @@ import torch
 
 import formulas
 from ideal import check_zb1p_bubble, is_split
+from replay_report import describe_exception, report_failures, summary
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
 ACTIVATION, GRADIENT, TOKENS = 1.0, 2.0, 3.0
@@ -169,17 +169,6 @@ def match(streams, n_ranks):
              for r in range(n_ranks) if heads[r] < len(streams[r]) and unmatched[r][heads[r]]}
     return [f"deadlock: each rank waits at the head of its stream for {stuck} (operations complete in posting "
             f"order, as on NCCL's streams)"] if stuck else []
-
-
-def describe_exception(error, folder):
-    """One line: the exception, the innermost frame in the step's folder and the outermost one (the schedule
-    function's own line), so that a learner sees where it surfaced and which of their lines led there."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(folder + os.sep)]
-    where = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in frames]
-    text = f"{type(error).__name__}: {error}"
-    if where:
-        text += f" (at {where[-1]}" + (f", called from {where[0]}" if len(where) > 1 else "") + ")"
-    return text
 
 
 class FakeStage:
@@ -468,32 +457,6 @@ def main(step_dir, as_json=False):
     failures = report_failures(report)
     print(json.dumps(report) if as_json else summary(step_dir, report, failures))
     return 1 if failures else 0
-
-
-def report_failures(report):
-    """Each line of the report that is a failure: a problem, a control not caught, a part that raised."""
-    failures = []
-    for key, value in report.items():
-        if key.endswith("problems") or key in ("refused_but_safe", "part_errors", "torch_dualpipev_differences"):
-            failures += [f"{key}: {v}" for v in value]
-        elif key.endswith("_problem") and value is not None:
-            failures.append(f"{key}: {value}")
-        elif key.endswith(("_caught", "_deadlocks")) and not value:
-            failures.append(f"control not caught: {key} is {value}")
-    return failures
-
-
-def summary(step_dir, report, failures, most=10):
-    """The report as a few readable lines."""
-    head = (f"replay of {step_dir}: {report['configurations']} configurations in {report['seconds']} s "
-            f"(schedules run over a fake transport whose operations complete in posting order, one stream "
-            f"per rank, as NCCL's do)")
-    if not failures:
-        return head + "\nevery check passed"
-    lines = [head, f"{len(failures)} problems shown (of {report['problem_count']} in the configurations), "
-                   f"the first {min(most, len(failures))}:"]
-    lines += [f"  {failure}" for failure in failures[:most]]
-    return "\n".join(lines + ["(python tests/replay.py --json STEP_DIR prints the whole report)"])
 
 
 if __name__ == "__main__":
