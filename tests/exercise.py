@@ -161,6 +161,8 @@ def pytest_diagnosis(text, folder):
 
     lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
     stub = [line for line in lines if "NotImplementedError" in line]
+    if any("RunFailed" in line for line in lines):  # a launch of the step's ranks failed: each rank's last words
+        return stub[:1] + failure_lines("\n".join(lines), folder, most=7)
     if stub:
         return stub[:1] + failure_lines("\n".join(lines), folder, most=3)
     shortened = [line if len(line) < 240 else line[:237] + "..." for line in lines if line]

@@ -133,6 +133,7 @@ def failure_lines(text, step_dir, most=8):
     folder, lines, frame = str(Path(step_dir).resolve()), [], None
     for line in text.splitlines():
         stripped = re.sub(r"^\[rank\d+\]:", "", line.strip()).strip()  # torch's prefix of a rank's traceback
+        stripped = re.sub(r"^(harness\.)?RunFailed: ", "", stripped)
         if stripped.startswith("rank ") and (" exited " in stripped or " stalled " in stripped):
             lines.append(re.sub(r"\[--.*?\]: ", "", stripped.split("; last output")[0]))  # the case's flags: shown
             frame = None
