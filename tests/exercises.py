@@ -329,11 +329,12 @@ EXERCISES = [
              "apart. Check this rank's gradients for inf or nan, then take the MAX over the model-parallel "
              "group (pipeline and TP ranks of one replica), as Megatron-LM does.",
         checks=[("pytest", "tests/test_mixed_precision.py::test_an_inf_on_one_rank_makes_every_rank_skip[{step}]")],
-        hints=["torch.isfinite(g).all() per gradient; one float flag, dist.all_reduce(..., op=MAX, "
-               "group=self.pgm.model_parallel_group)."],
+        hints=["A rank that skips while the others step leaves them waiting in global_norm's all-reduce: take "
+               "the MAX of one float flag over self.pgm.model_parallel_group (dist.all_reduce).",
+               "torch.isfinite(g).all() says whether one gradient is clean."],
         wrong=[("no all-reduce: only the rank with the inf notices", "mixed_precision.py",
                 "        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)\n", "",
-                ["skip"])],
+                ["global_norm", "Timed out"])],
     ),
     dict(
         id="07.norm", step="step07_mixed_precision",
