@@ -1,6 +1,7 @@
 """Replay a step's pipeline schedules without a model, and check their order of operations.
 
-    python tests/replay.py STEP_DIR   ->  prints a JSON report
+    python tests/replay.py STEP_DIR          ->  prints a summary; exit status 1 if anything failed
+    python tests/replay.py --json STEP_DIR   ->  prints the whole report as JSON (what the tests read)
 
 The step's own code runs: its ProcessGroupManager, PipelineComm and schedule
 functions, for every simulated rank of a pipeline. Two things are fake:
@@ -50,6 +51,7 @@ import torch
 
 import formulas
 from ideal import check_zb1p_bubble, is_split
+from replay_report import describe_exception, report_failures, summary
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
 ACTIVATION, GRADIENT, TOKENS = 1.0, 2.0, 3.0
@@ -165,7 +167,8 @@ def match(streams, n_ranks):
                     progress = True
     stuck = {r: [("send to" if o.is_send else "recv from", o.peer) for o in unmatched[r][heads[r]]]
              for r in range(n_ranks) if heads[r] < len(streams[r]) and unmatched[r][heads[r]]}
-    return [f"deadlock: each rank waits at the head of its stream for {stuck}"] if stuck else []
+    return [f"deadlock: each rank waits at the head of its stream for {stuck} (operations complete in posting "
+            f"order, as on NCCL's streams)"] if stuck else []
 
 
 class FakeStage:
@@ -273,6 +276,7 @@ class Step:
     """A step folder's modules, loaded once, and how to replay its schedules."""
 
     def __init__(self, step_dir):
+        self.folder = os.path.abspath(step_dir)  # where a raising schedule's frames are looked for
         sys.path.insert(0, os.path.abspath(step_dir))
         import config
         import p2p
@@ -340,7 +344,11 @@ class Step:
         return log
 
     def check(self, name, pp, m, ordering, virtual=1):
-        logs, dist = self.replay(name, pp, m, ordering, virtual)
+        label = f"{name} pp={pp} m={m} v={virtual} p2p={ordering}"
+        try:
+            logs, dist = self.replay(name, pp, m, ordering, virtual)
+        except Exception as error:  # noqa: BLE001 (a learner's schedule may raise anything: report, do not crash)
+            return [f"{label}: the schedule raised {describe_exception(error, self.folder)}"]
         problems = match(dist.streams, pp)
         for stage, log in enumerate(logs):
             warmup = formulas.warmup(name, pp, stage, m, virtual)
@@ -348,7 +356,7 @@ class Step:
             problems += [f"stage {stage}: {p}" for p in check_compute_order(log, m * virtual, warmup, peak)]
             if not problems:
                 problems += [f"stage {stage}: {p}" for p in check_consumed(log)]
-        return [f"{name} pp={pp} m={m} v={virtual} p2p={ordering}: {p}" for p in problems]
+        return [f"{label}: {p}" for p in problems]
 
     def configurations(self, allowed=True):
         """All (schedule, pp, m, v, ordering) the step's rules allow (or refuse), up to MAX_PP, MAX_M, MAX_V."""
@@ -418,7 +426,9 @@ def _check(configuration):
     return _STEP.check(name, pp, m, ordering, virtual)
 
 
-def main(step_dir):
+def main(step_dir, as_json=False):
+    """Replay every configuration of the step; print the report (a summary, or JSON); return the exit status:
+    0 if every check passed, 1 if any found a problem."""
     from replay_controls import negative_controls  # these import this module, so not at the top
     from timeout_count import check_timeout_count  # step 04 on
     from two_way import check_two_way  # step 08
@@ -433,17 +443,26 @@ def main(step_dir):
     problems = [problem for each in found[:len(allowed)] for problem in each]
     refused_but_safe = [f"{name} pp={pp} m={m} v={v} p2p={ordering}"
                         for (name, pp, m, v, ordering), each in zip(refused, found[len(allowed):]) if not each]
-    print(json.dumps(dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
-                          problem_count=len(problems), problems=problems[:50],
-                          refused_but_safe=refused_but_safe[:50], **negative_controls(step),
-                          **check_timeout_count(step),
-                          **(check_zb1p_bubble(step) if "zb1p" in step.schedule.SCHEDULES else {}),
-                          **(check_two_way(step) if "dualpipe" in step.schedule.SCHEDULES else {}),
-                          **(check_pipedream(step) if os.path.exists(os.path.join(step_dir, "pipedream.py"))
-                             else {}))))
+    report = dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
+                  problem_count=len(problems), problems=problems[:50], refused_but_safe=refused_but_safe[:50])
+    parts = [("negative controls", negative_controls), ("timeout count", check_timeout_count)]
+    parts += [("zb1p ideal timeline", check_zb1p_bubble)] if "zb1p" in step.schedule.SCHEDULES else []
+    parts += [("DualPipe", check_two_way)] if "dualpipe" in step.schedule.SCHEDULES else []
+    parts += [("PipeDream", check_pipedream)] if os.path.exists(os.path.join(step_dir, "pipedream.py")) else []
+    for what, part in parts:
+        try:
+            report.update(part(step))
+        except Exception as error:  # noqa: BLE001 (a learner's code may raise anything: report, do not crash)
+            report.setdefault("part_errors", []).append(f"{what}: raised {describe_exception(error, step.folder)}")
+    failures = report_failures(report)
+    print(json.dumps(report) if as_json else summary(step_dir, report, failures))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
     import replay  # run as the module two_way.py imports, so that there is one class Op, one FakeDist
 
-    replay.main(sys.argv[1])
+    arguments = [a for a in sys.argv[1:] if a != "--json"]
+    if len(arguments) != 1:
+        sys.exit("usage: python tests/replay.py [--json] STEP_DIR")
+    sys.exit(replay.main(arguments[0], as_json="--json" in sys.argv[1:]))

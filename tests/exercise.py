@@ -1,0 +1,240 @@
+"""The tests as exercises: start one, write the function, check it. From the course root:
+
+    python tests/exercise.py list                          the catalogue (tests/exercises.py) and each one's state
+    python tests/exercise.py start 04.1f1b                 copy step 04 to my_exercises/04.1f1b/, the function stubbed
+    python tests/exercise.py check 04.1f1b                 its checks, fastest first, stopping at the first failure
+    python tests/exercise.py check 04.1f1b --step-dir my_1f1b    a copy made by hand (README's recipe)
+
+A check runs the course's own tests on the copy: the replay of the schedules without a model (seconds), one
+small run against the single device, then the step's own tests of that function. The solution is the step's
+own code.
+"""
+import ast
+import hashlib
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from exercises import BY_ID, EXERCISES
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+COPIES = REPO / "my_exercises"
+PASSED = ".exercise-passed"  # in a copy: the digest of its exercise files when every check last passed
+
+
+class Refused(Exception):
+    """Bad input: one line for the learner."""
+
+
+# ------------------------------------------------------------------------------------------------ stubs
+
+def function_node(tree, qualname):
+    """The def of `name` or `Class.name` in a module's tree."""
+    scope, node = tree.body, None
+    for part in qualname.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            raise Refused(f"{qualname} not found")
+        scope = node.body
+    return node
+
+
+def stub_source(source, qualname, message):
+    """source with the body of `qualname` replaced by a raise of `message`; its signature and docstring stay."""
+    node = function_node(ast.parse(source), qualname)
+    body = node.body
+    has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+        and isinstance(body[0].value.value, str)
+    first = body[0].end_lineno + 1 if has_doc else body[0].lineno  # 1-based: the first line to replace
+    indent = " " * body[0].col_offset
+    lines = source.splitlines(keepends=True)
+    stub = f"{indent}raise NotImplementedError({message!r})  # your code here\n"
+    return "".join(lines[:first - 1] + [stub] + lines[node.end_lineno:])
+
+
+def stub_message(exercise):
+    return f"exercise {exercise['id']}: {exercise['summary']}"
+
+
+def stub_copy(exercise, folder):
+    """Stub every function of the exercise in `folder`, a copy of its step."""
+    for file, qualname in exercise["functions"]:
+        path = folder / file
+        path.write_text(stub_source(path.read_text(), qualname, stub_message(exercise)))
+
+
+# ------------------------------------------------------------------------------------------------ copies
+
+def python_files(folder):
+    return {p.name: p.read_bytes() for p in folder.glob("*.py")}
+
+
+def made_from(folder):
+    """The course step whose files the copy shares most (byte for byte), or None if none has its files."""
+    mine = python_files(folder)
+    best, score = None, -1
+    for step in sorted(p for p in REPO.glob("step0*") if p.is_dir()):
+        theirs = python_files(step)
+        if set(theirs) == set(mine):
+            same = sum(theirs[name] == mine[name] for name in mine)
+            if same > score:
+                best, score = step.name, same
+    return best
+
+
+def digest(exercise, folder):
+    return hashlib.sha256(b"".join((folder / file).read_bytes() for file, _ in exercise["functions"])).hexdigest()
+
+
+def state(exercise):
+    folder = COPIES / exercise["id"]
+    if not folder.exists():
+        return "not started"
+    mark = folder / PASSED
+    if mark.exists():
+        return "passing" if mark.read_text() == digest(exercise, folder) else "started (changed since it passed)"
+    return "started"
+
+
+def exercise_of(ident):
+    if ident not in BY_ID:
+        raise Refused(f"no exercise {ident!r}: `python tests/exercise.py list` shows the ids (like 04.1f1b)")
+    return BY_ID[ident]
+
+
+def copy_for(exercise, step_dir=None):
+    """The learner's copy of the exercise's step: checked to exist and to be made from that step."""
+    folder = Path(step_dir).expanduser().resolve() if step_dir else COPIES / exercise["id"]
+    if not (folder / "train.py").is_file():
+        if step_dir:
+            raise Refused(f"{step_dir} is not a copy of a step (no train.py in it)")
+        raise Refused(f"exercise {exercise['id']} is not started: python tests/exercise.py start {exercise['id']}")
+    origin = made_from(folder)
+    if origin != exercise["step"]:
+        raise Refused(f"{shown(folder)} was made from {origin or 'no step of the course'}, but exercise "
+                      f"{exercise['id']} is in {exercise['step']}: start it, or copy {exercise['step']}")
+    return folder
+
+
+def shown(path):
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+def check_name(check, step):
+    kind = check[0]
+    if kind == "replay":
+        return f"replay of {', '.join(check[1])}" + (f" and {check[2]}" if len(check) > 2 else "") + \
+            " (no model; pp <= 4, m <= 8)"
+    if kind == "equivalence":
+        return f"equivalence, {check[1]} ranks [{' '.join(check[2])}] against one device"
+    return "the step's tests: " + ", ".join(node.split("::")[-1].format(step=step) for node in check[1:])
+
+
+def run_check(check, exercise, folder):
+    """(passed, lines): run one graded check on the copy."""
+    kind = check[0]
+    if kind == "replay":
+        cmd = [sys.executable, str(TESTS / "exercise_checks.py"), "replay", str(folder), ",".join(check[1]),
+               *check[2:]]
+    elif kind == "equivalence":
+        cmd = [sys.executable, str(TESTS / "exercise_checks.py"), "equivalence", str(folder), str(check[1]),
+               __import__("json").dumps(check[2])]
+    else:
+        nodes = [node.format(step=exercise["step"]) for node in check[1:]]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "--tb=short",
+               "-o", "addopts=", f"--step-dir={exercise['step']}={folder}", *nodes]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    text = done.stdout + done.stderr
+    if done.returncode == 0:
+        return True, []
+    return False, pytest_diagnosis(text, folder) if kind == "pytest" else text.strip().splitlines()[:10]
+
+
+def pytest_diagnosis(text, folder):
+    """The assertion lines of a failed pytest run, or the exception that stopped it."""
+    from exercise_checks import failure_lines
+
+    lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    stub = [line for line in lines if "NotImplementedError" in line]
+    if any("RunFailed" in line for line in lines):  # a launch of the step's ranks failed: each rank's last words
+        return stub[:1] + failure_lines("\n".join(lines), folder, most=7)
+    if stub:
+        return stub[:1] + failure_lines("\n".join(lines), folder, most=3)
+    shortened = [line if len(line) < 240 else line[:237] + "..." for line in lines if line]
+    return shortened[:8] or [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:4]
+
+
+def check(exercise, folder):
+    """Run the exercise's checks in order, stopping at the first failure; print at most ~20 lines."""
+    checks, start, ident = exercise["checks"], time.perf_counter(), exercise["id"]
+    for n, each in enumerate(checks, 1):
+        began = time.perf_counter()
+        passed, lines = run_check(each, exercise, folder)
+        took = time.perf_counter() - began
+        if not passed:
+            print(f"FAIL {ident}, check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
+            print("\n".join(f"  {line}" for line in lines[:12]))
+            print(f"hint: {exercise['hints'][0]}")
+            return 1
+        print(f"ok   check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
+    if folder.is_relative_to(COPIES):
+        (folder / PASSED).write_text(digest(exercise, folder))
+    following = EXERCISES[EXERCISES.index(exercise) + 1:]
+    after = f"next: python tests/exercise.py start {following[0]['id']}" if following else "that was the last one"
+    print(f"PASS {ident}: every check passes ({time.perf_counter() - start:.1f} s). {after}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+def command_list():
+    for exercise in EXERCISES:
+        names = ", ".join(qualname for _, qualname in exercise["functions"])
+        print(f"{exercise['id']:<14} {state(exercise):<12} {exercise['step']}: {names}")
+    print("start one: python tests/exercise.py start ID; then: python tests/exercise.py check ID")
+    return 0
+
+
+def command_start(exercise, force=False):
+    folder = COPIES / exercise["id"]
+    if folder.exists() and not force:
+        if not (sys.stdin.isatty() and input(f"{shown(folder)} exists: start again and lose it? [y/N] ") == "y"):
+            raise Refused(f"{shown(folder)} exists: check it, or start again with --force (it is overwritten)")
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (COPIES / ".gitignore").write_text("*\n")  # the learner's copies stay out of the course's git
+    stub_copy(exercise, folder)
+    where = ", ".join(f"{shown(folder / file)}: {qualname}" for file, qualname in exercise["functions"])
+    print(f"exercise {exercise['id']} ({exercise['step']}): write {where}")
+    print(exercise["task"])
+    print(f"then: python tests/exercise.py check {exercise['id']}")
+    return 0
+
+
+def main(argv):
+    sys.path.insert(0, str(TESTS))
+    usage = "usage: python tests/exercise.py list | start ID [--force] | check ID [--step-dir PATH]"
+    if not argv or argv[0] not in ("list", "start", "check") or (argv[0] != "list" and len(argv) < 2):
+        print(usage)
+        return 2
+    try:
+        if argv[0] == "list":
+            return command_list()
+        exercise = exercise_of(argv[1])
+        if argv[0] == "start":
+            return command_start(exercise, force="--force" in argv)
+        step_dir = argv[argv.index("--step-dir") + 1] if "--step-dir" in argv[:-1] else None
+        return check(exercise, copy_for(exercise, step_dir))
+    except Refused as refusal:
+        print(f"error: {refusal}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,154 @@
+"""The exercises (tests/exercises.py, tests/exercise.py) are proven to work.
+
+For every exercise: its stubbed copy fails its first check with the stub's message; each typical wrong
+answer of the catalogue, applied to the course's own code as a small edit, fails, and the diagnosis names
+the right thing (its key words); the course's own code passes every check.
+
+The default run proves, in about 40 s, the catalogue's shape, the bad-input lines, the replay's report, and
+the stubs and wrong answers of every exercise whose first check is the replay, and of one of each other kind. Everything else (one run
+of every check of every exercise, about 10 minutes on 2 cores) is marked `exercise_proofs`, which only runs
+when asked for:
+
+    pytest -m exercise_proofs tests/test_exercises.py
+"""
+import ast
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import exercise
+from conftest import STEPS
+from exercises import EXERCISES
+
+REPO = Path(__file__).resolve().parent.parent
+IDS = [e["id"] for e in EXERCISES]
+# Proven in the default run: the exercises graded first by the replay (seconds each), and one of each other kind.
+DEFAULT = [e for e in EXERCISES if e["checks"][0][0] == "replay" or e["id"] in ("01.naive", "07.scaler")]
+
+
+def proofs_asked(request):
+    if "exercise_proofs" not in (request.config.getoption("-m") or ""):
+        pytest.skip("one run of every check of every exercise: pytest -m exercise_proofs tests/test_exercises.py")
+
+
+def prepared(entry, folder: Path, stub=False, wrong=None) -> Path:
+    """A copy of the exercise's step in folder: stubbed, with one wrong answer applied, or as the course has it."""
+    shutil.copytree(REPO / entry["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if stub:
+        exercise.stub_copy(entry, folder)
+    if wrong:
+        (folder / wrong[1]).write_text(wrong_answer(entry, wrong, (folder / wrong[1]).read_text()))
+    return folder
+
+
+def wrong_answer(entry, wrong, source):
+    """source with the wrong answer's edits made; each old text must be in it exactly once."""
+    _, file, olds, news, _ = wrong
+    for old, new in zip(*((olds, news) if isinstance(olds, tuple) else ((olds,), (news,)))):
+        assert source.count(old) == 1, f"{entry['id']}: the wrong answer's text is not once in {file}: {old!r}"
+        source = source.replace(old, new)
+    return source
+
+
+def first_failure(entry, folder: Path):
+    """(1-based number of the first failing check or None, its diagnosis, seconds taken)."""
+    start = time.perf_counter()
+    for n, check in enumerate(entry["checks"], 1):
+        passed, lines = exercise.run_check(check, entry, folder)
+        if not passed:
+            return n, "\n".join(lines), time.perf_counter() - start
+    return None, "", time.perf_counter() - start
+
+
+def assert_stub_fails_first(entry, folder):
+    n, text, seconds = first_failure(entry, prepared(entry, folder, stub=True))
+    assert n == 1 and exercise.stub_message(entry) in text, f"{entry['id']} stubbed: check {n} said\n{text}"
+    return seconds
+
+
+def assert_wrong_answers_fail(entry, tmp_path):
+    for i, wrong in enumerate(entry["wrong"]):
+        n, text, _ = first_failure(entry, prepared(entry, tmp_path / f"wrong{i}", wrong=wrong))
+        assert n is not None, f"{entry['id']}: the wrong answer '{wrong[0]}' passes every check"
+        missing = [word for word in wrong[4] if word not in text]
+        assert not missing, f"{entry['id']}, '{wrong[0]}': the diagnosis lacks {missing}:\n{text}"
+
+
+def test_catalogue_covers_every_step_and_names_real_code():
+    """20-30 exercises, 2-4 per step, unique ids; every function exists in its step's file, keeps its
+    signature and docstring when stubbed; every wrong answer's text is in the code exactly once."""
+    assert 20 <= len(EXERCISES) <= 30 and len(set(IDS)) == len(IDS)
+    per_step = {step: sum(e["step"] == step for e in EXERCISES) for step in STEPS}
+    assert all(1 <= n <= 4 for n in per_step.values()), per_step
+    for entry in EXERCISES:
+        assert entry["id"][:2] == entry["step"][4:6] and entry["checks"] and entry["hints"] and entry["wrong"]
+        for file, qualname in entry["functions"]:
+            source = (REPO / entry["step"] / file).read_text()
+            stubbed = exercise.stub_source(source, qualname, exercise.stub_message(entry))
+            compile(stubbed, file, "exec")
+            node = exercise.function_node(ast.parse(stubbed), qualname)
+            assert "NotImplementedError" in ast.unparse(node.body[-1]), (entry["id"], qualname)
+            original = exercise.function_node(ast.parse(source), qualname)
+            assert ast.get_docstring(node) == ast.get_docstring(original)
+            assert ast.dump(node.args) == ast.dump(original.args)
+        for wrong in entry["wrong"]:
+            wrong_answer(entry, wrong, (REPO / entry["step"] / wrong[1]).read_text())
+
+
+def run_cli(*argv):
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "exercise.py"), *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout.strip().splitlines()
+
+
+def test_bad_input_gets_one_clear_line(tmp_path):
+    """An unknown id, a copy that is missing, a copy made from another step: exit 2 and one line."""
+    code, lines = run_cli("check", "04.nothing")
+    assert code == 2 and len(lines) == 1 and "no exercise '04.nothing'" in lines[0], lines
+    code, lines = run_cli("check", "04.1f1b", "--step-dir", str(tmp_path / "absent"))
+    assert code == 2 and len(lines) == 1 and "no train.py" in lines[0], lines
+    code, lines = run_cli("check", "04.1f1b", "--step-dir", "step05_interleaved")
+    assert code == 2 and len(lines) == 1 and "made from step05_interleaved" in lines[0], lines
+    code, lines = run_cli("list")
+    assert code == 0 and len(lines) == len(EXERCISES) + 1, lines
+
+
+def test_replay_reports_a_raising_schedule(tmp_path):
+    """tests/replay.py on a copy whose 1F1B raises: every configuration reported, naming it, not a crash;
+    a short summary and exit status 1 (JSON with --json)."""
+    entry = exercise.BY_ID["04.1f1b"]
+    folder = prepared(entry, tmp_path / "copy", stub=True)
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), str(folder)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1 and len(lines) <= 15 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert "NCCL" in lines[0] and lines[2].startswith("  1f1b pp=1 m=1 v=1 p2p=batched (and 49 alike): the schedule "
+                                                       "raised NotImplementedError: exercise 04.1f1b"), lines
+
+
+@pytest.mark.parametrize("entry", DEFAULT, ids=[e["id"] for e in DEFAULT])
+def test_stub_and_wrong_answers_fail_in_seconds(entry, tmp_path):
+    """The exercises graded first by the replay, one graded by a run against the single device (01.naive)
+    and one by the step's own in-process tests (07.scaler): the stub fails check 1 with its message, within
+    30 s, and each wrong answer fails with its key words."""
+    seconds = assert_stub_fails_first(entry, tmp_path / "stub")
+    assert seconds < 30, f"{entry['id']}: the stub's first failure took {seconds:.0f} s"
+    assert_wrong_answers_fail(entry, tmp_path)
+
+
+@pytest.mark.exercise_proofs
+@pytest.mark.parametrize("entry", EXERCISES, ids=IDS)
+def test_every_exercise_stub_wrong_answers_and_solution(entry, tmp_path, request):
+    """One run of every check: the stub fails check 1 with its message (within 30 s for a schedule, 60 s
+    for a layer), every wrong answer fails with its key words, the course's own code passes every check."""
+    proofs_asked(request)
+    to_fail = assert_stub_fails_first(entry, tmp_path / "stub")
+    assert to_fail < (60 if entry["step"] in ("step06_tp", "step07_mixed_precision") else 30), to_fail
+    assert_wrong_answers_fail(entry, tmp_path)
+    n, text, to_pass = first_failure(entry, prepared(entry, tmp_path / "solution"))
+    assert n is None, f"{entry['id']}: the course's own code fails check {n}:\n{text}"
+    print(f"\n{entry['id']}: the stub fails in {to_fail:.1f} s, the course's code passes every check in {to_pass:.1f} s")
