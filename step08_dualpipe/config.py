@@ -21,10 +21,12 @@ from distributed import world_from_env
 from mixed_precision import DTYPES as PRECISIONS
 from model import ModelConfig
 from p2p import ORDERINGS
+import dualpipe
 import pipedream
 import schedule
+from dualpipe import SCHEDULES as TWO_WAY
 from pipedream import SCHEDULES as PIPEDREAM
-from schedule import SCHEDULES, TWO_WAY, model_chunks
+from schedule import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -236,8 +238,8 @@ def check_pairs(args, cuda_available: bool):
 
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
-    if args.schedule not in (*SCHEDULES, *PIPEDREAM):
-        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *PIPEDREAM))}")
+    if args.schedule not in (*SCHEDULES, *TWO_WAY, *PIPEDREAM):
+        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *TWO_WAY, *PIPEDREAM))}")
     if args.p2p not in ORDERINGS:
         raise ConfigError(f"--p2p {args.p2p} is unknown: use {' or '.join(ORDERINGS)}")
     interleaved = args.schedule == "interleaved"
@@ -362,10 +364,24 @@ def check_memory(args, world: int, cuda_available: bool):
                           f"{limit / 2**30:.1f} GiB available ({source})")
 
 
+def family(args):
+    """The module that runs and describes args.schedule: schedule.py's flushed schedules, PipeDream's
+    (pipedream.py) or DualPipe's (dualpipe.py). Each has SCHEDULES, bubble_formula(args, times=None) and
+    peak_stored_microbatches(args, stage)."""
+    if args.schedule in TWO_WAY:
+        return dualpipe
+    return pipedream if args.schedule in PIPEDREAM else schedule
+
+
+def model_chunks(args, stage: int):
+    """(this rank's global model chunks, how many in all): DualPipe's two (dualpipe.py), else schedule.py's."""
+    return (dualpipe if args.schedule in TWO_WAY else schedule).model_chunks(args, stage)
+
+
 def stages_bytes(args):
     """budget.stage_bytes of each stage, holding the peak stored (chunk, microbatch) pairs of its schedule's
     formula, each of a chunk of layers / chunks layers (model_chunks: pp x v, and two per rank in DualPipe)."""
-    module = pipedream if args.schedule in PIPEDREAM else schedule
+    module = family(args)
     mine, chunks = model_chunks(args, 0)
     return [stage_bytes(args, module.peak_stored_microbatches(args, s)[1], chunks, len(mine)) for s in range(args.pp)]
 

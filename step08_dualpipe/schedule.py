@@ -23,19 +23,16 @@ postpones s W's, which fill the gaps where 1F1B waits for a gradient: the
 bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute time,
 while every stage holds at most p microbatches, 1F1B's first-stage peak.
 
-DualPipe and DualPipeV (step 08, DeepSeek-V3) send microbatches both ways and
-run one eight-phase table, in dualpipe.py; their entries below hand it a Stash,
-and model_chunks says which chunks of the model each rank holds.
+DualPipe and DualPipeV (step 08, DeepSeek-V3) are a family of their own, in
+dualpipe.py, which runs its schedules on this module's Stash.
 
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
 """
 from collections import deque
-from functools import partial
 
 import torch
 
-from dualpipe import idle_chains, run_two_way
 from weight_grad_store import WeightGradStore
 
 
@@ -45,28 +42,13 @@ def bubble_formula(args, times=None):
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
-    forward, B and W (measured in the same run; equal if left out). DualPipe and DualPipeV idle the
-    longest of a few chains of n = PP/2-1 links (dualpipe.idle_chains), n(2F+B-W) for F <= B <= (1+1/n)F
-    and W <= B (n(F+B-W) with --pairs sequential), beside N(F+B+W) of compute, N the passes of each kind a
-    rank runs.
+    forward, B and W (measured in the same run; equal if left out).
     """
     if args.schedule == "zb1p":
         f, b, w = times or (1, 1, 1)
         idle = (args.pp - 1) * (f + b - w)
         text = f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), F:B:W = 1:{b / f:.2f}:{w / f:.2f}"
         return text, idle / (args.microbatches * (f + b + w) + idle)
-    if args.schedule in TWO_WAY:  # a rank runs m (DualPipeV: 2m) forwards, B's and W's
-        f, b, w = times or (1, 1, 1)
-        stages = model_chunks(args, 0)[1]
-        passes = 2 * args.microbatches if args.schedule == "dualpipev" else args.microbatches
-        chains = idle_chains(stages, f, b, w, args.pairs == "sequential")
-        longest = max(chains, key=chains.get)
-        idle = chains[longest]
-        which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 \
-            else "0 (one rank per V)"
-        text = (f"idle/(N(F+B+W)+idle), idle = {which} with --pairs {args.pairs}, PP = {stages} stages, N = {passes} passes, "
-                f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
-        return text, idle / (passes * (f + b + w) + idle)
     if args.schedule == "interleaved":
         v = args.virtual_stages
         return "(p-1)/(v*m+p-1)", (args.pp - 1) / (v * args.microbatches + args.pp - 1)
@@ -81,8 +63,6 @@ def peak_stored_microbatches(args, stage: int):
         return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
     if args.schedule == "zb1p":  # 1F1B's p-stage, plus the stage's postponed W's
         return "min(p, m)", min(args.pp, args.microbatches)
-    if args.schedule in TWO_WAY:  # on every rank: DeepSeek's table's PP+1, PP the number of stages
-        return "PP+1 (chunk, microbatch) pairs", model_chunks(args, 0)[1] + 1
     warmup = interleaved_warmup(args.pp, stage, args.microbatches, args.virtual_stages)
     return ("min(2(p-stage-1) + (v-1)p + 1, v*m) (chunk, microbatch) pairs",
             min(warmup + 1, args.virtual_stages * args.microbatches))
@@ -327,33 +307,16 @@ def zb1p_forward_backward(stages, comm, microbatches):
     return stash.loss
 
 
-def dualpipe_forward_backward(stages, comm, microbatches, sequential_pairs=False):
-    """DualPipe: half the microbatches enter at each end; the phase table of dualpipe.py."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, False, sequential_pairs)
-
-
-def dualpipev_forward_backward(stages, comm, microbatches, sequential_pairs=False):
-    """DualPipeV: every microbatch goes down the V and back up; the phase table of dualpipe.py."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, True, sequential_pairs)
-
-
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
-             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward,
-             "dualpipe": dualpipe_forward_backward, "dualpipev": dualpipev_forward_backward}
-TWO_WAY = ("dualpipe", "dualpipev")
+             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward}
 
 
 def schedule_of(args):
-    """The function that runs one step of args.schedule; DualPipe's with the pair placement of --pairs."""
-    if args.schedule in TWO_WAY:
-        return partial(SCHEDULES[args.schedule], sequential_pairs=args.pairs == "sequential")
+    """The function that runs one step of args.schedule."""
     return SCHEDULES[args.schedule]
 
 
 def model_chunks(args, stage: int):
-    """(global indices of this rank's model chunks, how many chunks the model is cut into)."""
-    if args.schedule == "dualpipe":  # stage r of the forward direction, stage p-1-r of the reverse one
-        return [stage, args.pp - 1 - stage], args.pp
-    if args.schedule == "dualpipev":  # the V: stage r going down, stage 2p-1-r coming back up
-        return [stage, 2 * args.pp - 1 - stage], 2 * args.pp
+    """(global indices of this rank's model chunks, how many chunks the model is cut into): with v virtual
+    stages, stage, stage + p, ..."""
     return list(range(stage, args.pp * args.virtual_stages, args.pp)), args.pp * args.virtual_stages

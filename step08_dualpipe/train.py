@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from config import parse_flags
+from config import family, model_chunks, parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
@@ -33,12 +33,10 @@ from data_parallel import average_gradients
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
 from memory import ActivationMeter
 import pipedream
-import schedule
 from p2p import PipelineComm
 from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
 from process_groups import ProcessGroupManager, describe_rank
-from schedule import TWO_WAY, model_chunks
-from dualpipe import sum_twin_gradients
+from dualpipe import sum_twin_gradients, twin_copies
 from stage import PipelineStage, VirtualStages
 from timeline import Timeline, bubble_report, gather_events, mean_durations, write_chrome_trace
 
@@ -74,7 +72,7 @@ def build_model(args, pgm, tp):
     layers_of_chunk = split_layers(args.layers, n_chunks)
     model = VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
                                       seed=args.seed, tp=tp) for g in chunks)
-    if args.schedule == "dualpipe":  # the reverse direction's copy of a stage another rank also holds
+    if twin_copies(args):  # the reverse direction's copy of a stage another rank also holds
         for p in model[1].parameters():
             p.shared = True  # count it once in the gradient norm (step 07)
     return model
@@ -82,7 +80,7 @@ def build_model(args, pgm, tp):
 
 def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
-    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=args.schedule == "dualpipe")
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=twin_copies(args))
     timeline = Timeline(dist.get_rank(), device)
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
     model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
@@ -132,7 +130,7 @@ def compute_gradients(run, step: int) -> float:
     for stage in run.stages:
         stage.loss_scale = run.optimizer.loss_scale
     run.comm.begin_step()
-    loss = schedule.schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    loss = family(run.args).schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     if run.args.schedule == "dualpipe":  # each stage's two copies saw one direction each
         names = [name for name, _ in run.model.named_parameters()]
@@ -236,8 +234,8 @@ def gather_peaks(run) -> dict:
 
 
 def formulas(args):
-    """The module whose formulas describe this run: pipedream's for a run with no flush, else schedule's."""
-    return pipedream if args.schedule in pipedream.SCHEDULES else schedule
+    """The module whose formulas describe this run: its schedule's family (config.family)."""
+    return family(args)
 
 
 def memory_report(args, record):
@@ -249,7 +247,7 @@ def memory_report(args, record):
         _, expected = peak_stored_microbatches(args, rank // (args.dp * args.tp))
         lines.append(f"  rank {rank} ({describe_rank(rank, args.dp, args.tp)}): {count} (formula {expected}), "
                      f"{size / 2**20:.2f} MiB")
-    twice = " (dualpipe: each pipeline holds every stage twice)" if args.schedule == "dualpipe" else ""
+    twice = " (dualpipe: each pipeline holds every stage twice)" if twin_copies(args) else ""
     lines.append(f"parameters per rank{twice}, MiB: " + " ".join(f"{b / 2**20:.2f}" for b in record["param_bytes"]))
     return lines + (versions_report(args, record) if "peak_weight_versions" in record else [])
 
@@ -271,12 +269,11 @@ def report(run, last_record):
     if dist.get_rank() != 0:
         return
     print("\n".join(memory_report(run.args, last_record)))
-    split = run.args.schedule in ("zb1p", *TWO_WAY)
-    times = mean_durations(events, ("forward", "B", "W")) if split else None
+    times = mean_durations(events, ("forward", "B", "W"))  # the formulas of split backwards read them
     if run.args.schedule in pipedream.SCHEDULES:
         text, value = pipedream.bubble_formula(run.args)
     else:
-        text, value = schedule.bubble_formula(run.args, times)
+        text, value = formulas(run.args).bubble_formula(run.args, times)
     label = partial(describe_rank, dp=run.args.dp, tp=run.args.tp)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, label)))
     if run.args.trace:
