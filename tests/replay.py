@@ -175,7 +175,7 @@ class FakeStage:
         self.log, self.dist, self.chunk, self.g, self.store = log, dist, chunk, global_chunk, store
         self.is_first, self.is_last = global_chunk == 0, global_chunk == n_chunks - 1
         self.recompute, self.microbatches = False, microbatches
-        self.loss_scale = 1.0  # step 07: what the last stage's backward is seeded with, times 1/m
+        self.grad_scale_func = lambda loss: loss  # step 07: the last stage's seed is grad_scale_func(1) / m
 
     def _given(self, tensor, expected, what):
         """Remember what a consumed tensor should hold; a received one is judged after matching."""
