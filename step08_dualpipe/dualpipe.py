@@ -307,12 +307,12 @@ def run_two_way(stash, comm, v_shape: bool, sequential_pairs=False):
 
 def dualpipe_forward_backward(stages, comm, microbatches, sequential_pairs=False):
     """DualPipe: half the microbatches enter at each end."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, False, sequential_pairs)
+    return run_two_way(Stash(stages, comm, microbatches, split=True), comm, False, sequential_pairs)
 
 
 def dualpipev_forward_backward(stages, comm, microbatches, sequential_pairs=False):
     """DualPipeV: every microbatch goes down the V and back up."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, True, sequential_pairs)
+    return run_two_way(Stash(stages, comm, microbatches, split=True), comm, True, sequential_pairs)
 
 
 SCHEDULES = {"dualpipe": dualpipe_forward_backward, "dualpipev": dualpipev_forward_backward}

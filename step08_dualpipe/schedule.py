@@ -93,8 +93,9 @@ class Stash:
     when PipeDream runs a whole training run through one stash (pipedream.py).
     """
 
-    def __init__(self, stages, comm, microbatches, per_update=None):
+    def __init__(self, stages, comm, microbatches, per_update=None, split=False):
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
+        self.split = split  # step 08: its schedule splits backwards, so its forwards build splittable Linears
         self.per_update = per_update or len(microbatches)
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
         self.gradients = {}  # (chunk, mb) -> the received output gradient a split B leaves to its W (step 08)
@@ -105,7 +106,8 @@ class Stash:
         stage = self.stages[chunk]
         tokens, target = self.microbatches[mb]
         x = tokens if stage.is_first else x
-        out = stage.forward(mb, x, target)
+        with WeightGradStore.splittable(self.split):
+            out = stage.forward(mb, x, target)
         if stage.is_last:
             self.losses.append(out.detach())
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
@@ -119,7 +121,8 @@ class Stash:
         x, out = self.kept.pop((chunk, mb))
         received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
         if stage.recompute:
-            x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
+            with WeightGradStore.splittable(self.split):
+                x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
         if stage.is_last:  # d(S x mean loss of the update's microbatches) / d(microbatch mean loss), S the loss scale
             out_grad = torch.full_like(out, stage.grad_scale_func(1.0) / self.per_update)
         input_grad = stage.backward(mb, x, out, out_grad, split)
@@ -277,7 +280,7 @@ def interleaved_forward_backward(stages, comm, microbatches):
 
 def zb1p_forward_backward(stages, comm, microbatches):
     """ZB-H1: 1F1B's order with each backward split, stage s running W of microbatch i-s after B of i."""
-    stash = Stash(stages, comm, microbatches)
+    stash = Stash(stages, comm, microbatches, split=True)
     m, stage = len(microbatches), comm.stage
     warmup = warmup_microbatches(comm.num_stages, stage, m)
 
