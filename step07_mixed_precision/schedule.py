@@ -94,7 +94,7 @@ class Stash:
         if stage.recompute:
             x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
         if stage.is_last:  # d(S x batch mean loss) / d(microbatch mean loss), S the loss scale
-            out_grad = torch.full_like(out, stage.loss_scale / len(self.microbatches))
+            out_grad = torch.full_like(out, stage.grad_scale_func(1.0) / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad)
         self.comm.recycle(*received)
         return input_grad

@@ -6,10 +6,12 @@ The schedule decides *when*; the stage knows *how*:
     input_grad = stage.backward(mb, x, output, output_grad)
 
 On the last stage the output is the microbatch's mean loss, and the schedule
-passes output_grad = S/m: 1/m is the gradient of the batch's mean loss with
-respect to one microbatch's mean loss, so that summed over the m backwards the
-gradients are those of the whole batch (all microbatches hold the same number of
-tokens), and S is the loss scale (stage.loss_scale; 1 in fp32 and bf16).
+passes output_grad = 1/m, the gradient of the batch's mean loss with respect to
+one microbatch's mean loss: summed over the m backwards, the gradients are those
+of the whole batch (all microbatches hold the same number of tokens).
+Times S = grad_scale_func(1), the loss scale (1 in fp32, bf16): Megatron's
+config.grad_scale_func, the optimizer's scale_loss, given once at build and
+read at each seed. (PipeDream's seed is 1/n, n the microbatches of an update.)
 
 With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
@@ -55,11 +57,12 @@ class PipelineStage:
     """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
     (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
-    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None):
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None,
+                 grad_scale_func=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
         self.timeline = timeline or Timeline(enabled=False)
-        self.loss_scale = 1.0  # fp16: the last stage's backward starts from the scaled loss (train.py sets it)
+        self.grad_scale_func = grad_scale_func or (lambda loss: loss)  # fp16: the optimizer's scale_loss
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):

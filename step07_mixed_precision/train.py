@@ -82,7 +82,7 @@ def build(args, device) -> Run:
     before_update = lambda: average_gradients([p.grad for p in model.parameters()], pgm, timeline)
     stage = family(args).stage_class(args, model, before_update)  # PipeDream's keeps weight versions
     stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate, timeline=timeline,
-                    meter=meter) for c, chunk in enumerate(model)]
+                    meter=meter, grad_scale_func=optimizer.scale_loss) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, dtype, device, timeline, args.p2p, args.scatter_gather)  # pipeline_dtype
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
@@ -114,8 +114,6 @@ def compute_gradients(run, step: int) -> float:
     """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad()
-    for stage in run.stages:
-        stage.loss_scale = run.optimizer.loss_scale
     run.comm.begin_step()
     run_schedule = family(run.args).SCHEDULES[run.args.schedule]
     loss = run_schedule(run.stages, run.comm, replica_microbatches(run, inputs, targets))

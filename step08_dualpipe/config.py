@@ -22,10 +22,12 @@ from distributed import world_from_env
 from mixed_precision import DTYPES as PRECISIONS
 from model import ModelConfig
 from p2p import ORDERINGS
+import dualpipe
 import pipedream
 import schedule
+from dualpipe import SCHEDULES as TWO_WAY
 from pipedream import SCHEDULES as PIPEDREAM
-from schedule import SCHEDULES, TWO_WAY, model_chunks
+from schedule import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -238,8 +240,8 @@ def check_pairs(args, cuda_available: bool):
 
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
-    if args.schedule not in (*SCHEDULES, *PIPEDREAM):
-        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *PIPEDREAM))}")
+    if args.schedule not in (*SCHEDULES, *TWO_WAY, *PIPEDREAM):
+        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *TWO_WAY, *PIPEDREAM))}")
     if args.p2p not in ORDERINGS:
         raise ConfigError(f"--p2p {args.p2p} is unknown: use {' or '.join(ORDERINGS)}")
     interleaved = args.schedule == "interleaved"
@@ -369,11 +371,19 @@ def check_memory(args, world: int, cuda_available: bool):
 
 
 def family(args):
-    """The module that runs and describes args.schedule, schedule.py (flushed) or pipedream.py: train.py and
-    report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm, microbatches)), the
-    formulas bubble_formula(args, times=None) and peak_stored_microbatches(args, stage), stage_class(args, model,
-    before_update), train_steps(run, flushed_steps, *pieces), peaks(run) and report_lines(args, record, ...)."""
+    """The module that runs and describes args.schedule: schedule.py's flushed schedules, PipeDream's
+    (pipedream.py) or DualPipe's (dualpipe.py). train.py and report.py ask it, not the name. Each has SCHEDULES
+    (name -> function(stages, comm, microbatches)) and schedule_of(args), the formulas bubble_formula(args,
+    times=None) and peak_stored_microbatches(args, stage), stage_class(args, model, before_update),
+    train_steps(run, flushed_steps, *pieces), peaks(run) and report_lines(args, record, ...)."""
+    if args.schedule in TWO_WAY:
+        return dualpipe
     return pipedream if args.schedule in PIPEDREAM else schedule
+
+
+def model_chunks(args, stage: int):
+    """(this rank's global model chunks, how many in all): DualPipe's two (dualpipe.py), else schedule.py's."""
+    return (dualpipe if args.schedule in TWO_WAY else schedule).model_chunks(args, stage)
 
 
 def stages_bytes(args):

@@ -48,6 +48,11 @@ outputs leave after both passes, because on a GPU the two passes overlap and end
 overlap (a CPU) that costs one F per link of the pipeline (idle_chains). --pairs sequential runs a
 pair as a forward and then a backward, each with its own commit; gloo runs it, while on in-order
 streams (the replay's model of NCCL, tests/replay.py) its batches deadlock, so it is CPU-only.
+
+This module is a schedule family, as schedule.py and pipedream.py are (config.family): SCHEDULES,
+schedule_of, bubble_formula and peak_stored_microbatches, and where the model's chunks go (model_chunks,
+twin_copies). Each rank runs on schedule.py's Stash, and DualPipe flushes as schedule.py's schedules do: its
+stages, training loop and report are theirs (stage_class, train_steps, peaks, report_lines).
 """
 from collections import deque
 from functools import partial
@@ -55,6 +60,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
 from weight_grad_store import WeightGradStore
 
 PHASES = ("nF0", "nF0F1", "nB1W1F1", "nF0B1F1B0", "nB1F1B0", "nB1B0", "nWB0", "nW")
@@ -298,6 +304,60 @@ def run_two_way(stash, comm, v_shape: bool, sequential_pairs=False):
     rank = TwoWayRank(stash, comm, v_shape, sequential_pairs)
     eight_phases(rank, *place_in_v(v_shape, comm.num_stages, comm.stage, len(stash.microbatches)))
     return stash.loss
+
+
+def dualpipe_forward_backward(stages, comm, microbatches, sequential_pairs=False):
+    """DualPipe: half the microbatches enter at each end."""
+    return run_two_way(Stash(stages, comm, microbatches, split=True), comm, False, sequential_pairs)
+
+
+def dualpipev_forward_backward(stages, comm, microbatches, sequential_pairs=False):
+    """DualPipeV: every microbatch goes down the V and back up."""
+    return run_two_way(Stash(stages, comm, microbatches, split=True), comm, True, sequential_pairs)
+
+
+SCHEDULES = {"dualpipe": dualpipe_forward_backward, "dualpipev": dualpipev_forward_backward}
+
+
+def schedule_of(args):
+    """The function that runs one step of args.schedule, with the pairs of --pairs."""
+    return partial(SCHEDULES[args.schedule], sequential_pairs=args.pairs == "sequential")
+
+
+def model_chunks(args, stage: int):
+    """(global indices of this rank's model chunks, how many chunks the model is cut into)."""
+    if args.schedule == "dualpipe":  # stage r of the forward direction, stage p-1-r of the reverse one
+        return [stage, args.pp - 1 - stage], args.pp
+    return [stage, 2 * args.pp - 1 - stage], 2 * args.pp  # the V: stage r going down, 2p-1-r coming back up
+
+
+def twin_copies(args) -> bool:
+    """Whether every stage is held twice: DualPipe's rank r holds, second, the stage rank p-1-r holds first.
+    The two copies sum their gradients after each step (sum_twin_gradients)."""
+    return args.schedule == "dualpipe"
+
+
+def bubble_formula(args, times=None):
+    """(text, value): idle fraction of each rank. DualPipe and DualPipeV idle the longest of a few chains
+    of n = PP/2-1 links (idle_chains), n(2F+B-W) for F <= B <= (1+1/n)F and W <= B (n(F+B-W) with
+    --pairs sequential), beside N(F+B+W) of compute, N the passes of each kind a rank runs. times gives
+    the mean durations of one forward, B and W (measured in the same run; equal if left out)."""
+    f, b, w = times or (1, 1, 1)
+    stages = model_chunks(args, 0)[1]
+    passes = 2 * args.microbatches if args.schedule == "dualpipev" else args.microbatches
+    chains = idle_chains(stages, f, b, w, args.pairs == "sequential")
+    longest = max(chains, key=chains.get)
+    idle = chains[longest]
+    which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 \
+        else "0 (one rank per V)"
+    text = (f"idle/(N(F+B+W)+idle), idle = {which} with --pairs {args.pairs}, PP = {stages} stages, N = {passes} passes, "
+            f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
+    return text, idle / (passes * (f + b + w) + idle)
+
+
+def peak_stored_microbatches(args, stage: int):
+    """(text, value): on every rank, DeepSeek's table's PP+1 (chunk, microbatch) pairs, PP the number of stages."""
+    return "PP+1 (chunk, microbatch) pairs", model_chunks(args, stage)[1] + 1
 
 
 def sum_twin_gradients(named_grads: dict, group, timeline):

@@ -74,6 +74,10 @@ class MixedPrecisionOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
 
+    def scale_loss(self, loss):
+        """The loss times the current loss scale (Megatron's scale_loss): each stage's grad_scale_func."""
+        return self.loss_scale * loss
+
     def main_grads(self):
         """The fp32 gradient sums, one per parameter (None where a parameter got no gradient)."""
         return [p.main_grad if self.half else p.grad for p in self.params]

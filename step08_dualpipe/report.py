@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from config import family
 from distributed import peak_memory_bytes
+from dualpipe import twin_copies
 from process_groups import describe_rank
 from timeline import bubble_report, gather_events, mean_durations, write_chrome_trace
 
@@ -46,7 +47,7 @@ def memory_report(args, record):
         _, expected = peak_stored_microbatches(args, stage_of(args, rank))
         lines.append(f"  rank {rank} ({rank_name(args)(rank)}): {count} (formula {expected}), "
                      f"{size / 2**20:.2f} MiB")
-    twice = " (dualpipe: each pipeline holds every stage twice)" if args.schedule == "dualpipe" else ""
+    twice = " (dualpipe: each pipeline holds every stage twice)" if twin_copies(args) else ""
     lines.append(f"parameters per rank{twice}, MiB: " + " ".join(f"{b / 2**20:.2f}" for b in record["param_bytes"]))
     return lines + family(args).report_lines(args, record, rank_name(args), partial(stage_of, args))
 

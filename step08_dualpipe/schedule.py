@@ -23,19 +23,16 @@ postpones s W's, which fill the gaps where 1F1B waits for a gradient: the
 bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute time,
 while every stage holds at most p microbatches, 1F1B's first-stage peak.
 
-DualPipe and DualPipeV (step 08, DeepSeek-V3) send microbatches both ways and
-run one eight-phase table, in dualpipe.py; their entries below hand it a Stash,
-and model_chunks says which chunks of the model each rank holds.
+DualPipe and DualPipeV (step 08, DeepSeek-V3) are a family of their own, in
+dualpipe.py, which runs its schedules on this module's Stash.
 
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
 """
 from collections import deque
-from functools import partial
 
 import torch
 
-from dualpipe import idle_chains, run_two_way
 from stage import PipelineStage
 from weight_grad_store import WeightGradStore
 
@@ -46,28 +43,13 @@ def bubble_formula(args, times=None):
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
-    forward, B and W (measured in the same run; equal if left out). DualPipe and DualPipeV idle the
-    longest of a few chains of n = PP/2-1 links (dualpipe.idle_chains), n(2F+B-W) for F <= B <= (1+1/n)F
-    and W <= B (n(F+B-W) with --pairs sequential), beside N(F+B+W) of compute, N the passes of each kind a
-    rank runs.
+    forward, B and W (measured in the same run; equal if left out).
     """
     if args.schedule == "zb1p":
         f, b, w = times or (1, 1, 1)
         idle = (args.pp - 1) * (f + b - w)
         text = f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), F:B:W = 1:{b / f:.2f}:{w / f:.2f}"
         return text, idle / (args.microbatches * (f + b + w) + idle)
-    if args.schedule in TWO_WAY:  # a rank runs m (DualPipeV: 2m) forwards, B's and W's
-        f, b, w = times or (1, 1, 1)
-        stages = model_chunks(args, 0)[1]
-        passes = 2 * args.microbatches if args.schedule == "dualpipev" else args.microbatches
-        chains = idle_chains(stages, f, b, w, args.pairs == "sequential")
-        longest = max(chains, key=chains.get)
-        idle = chains[longest]
-        which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 \
-            else "0 (one rank per V)"
-        text = (f"idle/(N(F+B+W)+idle), idle = {which} with --pairs {args.pairs}, PP = {stages} stages, N = {passes} passes, "
-                f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
-        return text, idle / (passes * (f + b + w) + idle)
     if args.schedule == "interleaved":
         v = args.virtual_stages
         return "(p-1)/(v*m+p-1)", (args.pp - 1) / (v * args.microbatches + args.pp - 1)
@@ -82,8 +64,6 @@ def peak_stored_microbatches(args, stage: int):
         return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
     if args.schedule == "zb1p":  # 1F1B's p-stage, plus the stage's postponed W's
         return "min(p, m)", min(args.pp, args.microbatches)
-    if args.schedule in TWO_WAY:  # on every rank: DeepSeek's table's PP+1, PP the number of stages
-        return "PP+1 (chunk, microbatch) pairs", model_chunks(args, 0)[1] + 1
     warmup = interleaved_warmup(args.pp, stage, args.microbatches, args.virtual_stages)
     return ("min(2(p-stage-1) + (v-1)p + 1, v*m) (chunk, microbatch) pairs",
             min(warmup + 1, args.virtual_stages * args.microbatches))
@@ -112,8 +92,9 @@ class Stash:
     stash hands back after each backward. microbatches: [(tokens, targets)] of this replica.
     """
 
-    def __init__(self, stages, comm, microbatches):
+    def __init__(self, stages, comm, microbatches, split=False):
         self.stages, self.comm, self.microbatches = stages, comm, microbatches
+        self.split = split  # step 08: its schedule splits backwards, so its forwards build splittable Linears
         self.kept = {}  # (chunk, mb) -> (stage input, stage output) until the backward
         self.gradients = {}  # (chunk, mb) -> the received output gradient a split B leaves to its W (step 08)
         self.losses = []  # last stage only: each microbatch's mean loss, in microbatch order
@@ -123,7 +104,8 @@ class Stash:
         stage = self.stages[chunk]
         tokens, target = self.microbatches[mb]
         x = tokens if stage.is_first else x
-        out = stage.forward(mb, x, target)
+        with WeightGradStore.splittable(self.split):
+            out = stage.forward(mb, x, target)
         if stage.is_last:
             self.losses.append(out.detach())
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
@@ -137,9 +119,10 @@ class Stash:
         x, out = self.kept.pop((chunk, mb))
         received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
         if stage.recompute:
-            x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
+            with WeightGradStore.splittable(self.split):
+                x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
         if stage.is_last:  # d(S x batch mean loss) / d(microbatch mean loss), S the loss scale
-            out_grad = torch.full_like(out, stage.loss_scale / len(self.microbatches))
+            out_grad = torch.full_like(out, stage.grad_scale_func(1.0) / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad, split)
         if split:  # the stage's last Linear reads the received gradient as its dy in W: keep it until then
             self.gradients[chunk, mb] = received[1]
@@ -294,7 +277,7 @@ def interleaved_forward_backward(stages, comm, microbatches):
 
 def zb1p_forward_backward(stages, comm, microbatches):
     """ZB-H1: 1F1B's order with each backward split, stage s running W of microbatch i-s after B of i."""
-    stash = Stash(stages, comm, microbatches)
+    stash = Stash(stages, comm, microbatches, split=True)
     m, stage = len(microbatches), comm.stage
     warmup = warmup_microbatches(comm.num_stages, stage, m)
 
@@ -324,35 +307,18 @@ def zb1p_forward_backward(stages, comm, microbatches):
     return stash.loss
 
 
-def dualpipe_forward_backward(stages, comm, microbatches, sequential_pairs=False):
-    """DualPipe: half the microbatches enter at each end; the phase table of dualpipe.py."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, False, sequential_pairs)
-
-
-def dualpipev_forward_backward(stages, comm, microbatches, sequential_pairs=False):
-    """DualPipeV: every microbatch goes down the V and back up; the phase table of dualpipe.py."""
-    return run_two_way(Stash(stages, comm, microbatches), comm, True, sequential_pairs)
-
-
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
-             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward,
-             "dualpipe": dualpipe_forward_backward, "dualpipev": dualpipev_forward_backward}
-TWO_WAY = ("dualpipe", "dualpipev")
+             "interleaved": interleaved_forward_backward, "zb1p": zb1p_forward_backward}
 
 
 def schedule_of(args):
-    """The function that runs one step of args.schedule; DualPipe's with the pair placement of --pairs."""
-    if args.schedule in TWO_WAY:
-        return partial(SCHEDULES[args.schedule], sequential_pairs=args.pairs == "sequential")
+    """The function that runs one step of args.schedule."""
     return SCHEDULES[args.schedule]
 
 
 def model_chunks(args, stage: int):
-    """(global indices of this rank's model chunks, how many chunks the model is cut into)."""
-    if args.schedule == "dualpipe":  # stage r of the forward direction, stage p-1-r of the reverse one
-        return [stage, args.pp - 1 - stage], args.pp
-    if args.schedule == "dualpipev":  # the V: stage r going down, stage 2p-1-r coming back up
-        return [stage, 2 * args.pp - 1 - stage], 2 * args.pp
+    """(global indices of this rank's model chunks, how many chunks the model is cut into): with v virtual
+    stages, stage, stage + p, ..."""
     return list(range(stage, args.pp * args.virtual_stages, args.pp)), args.pp * args.virtual_stages
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from config import family, parse_flags
+from config import family, model_chunks, parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
@@ -33,11 +33,9 @@ from tied_embeddings import sum_embedding_grads
 from data_parallel import average_gradients
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
 from memory import ActivationMeter
-import schedule
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
-from schedule import model_chunks
-from dualpipe import sum_twin_gradients
+from dualpipe import sum_twin_gradients, twin_copies
 from stage import VirtualStages
 from report import gather_peaks, report
 from timeline import Timeline
@@ -74,7 +72,7 @@ def build_model(args, pgm, tp):
     layers_of_chunk = split_layers(args.layers, n_chunks)
     model = VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
                                       seed=args.seed, tp=tp) for g in chunks)
-    if args.schedule == "dualpipe":  # the reverse direction's copy of a stage another rank also holds
+    if twin_copies(args):  # the reverse direction's copy of a stage another rank also holds
         for p in model[1].parameters():
             p.shared = True  # count it once in the gradient norm (step 07)
     return model
@@ -82,7 +80,7 @@ def build_model(args, pgm, tp):
 
 def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
-    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=args.schedule == "dualpipe")
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=twin_copies(args))
     timeline = Timeline(dist.get_rank(), device)
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
     model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
@@ -93,7 +91,7 @@ def build(args, device) -> Run:
     before_update = lambda: average_gradients([p.grad for p in model.parameters()], pgm, timeline)
     stage = family(args).stage_class(args, model, before_update)  # PipeDream's keeps weight versions
     stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate, timeline=timeline,
-                    meter=meter) for c, chunk in enumerate(model)]
+                    meter=meter, grad_scale_func=optimizer.scale_loss) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, dtype, device, timeline, args.p2p, args.scatter_gather)  # pipeline_dtype
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
@@ -126,10 +124,8 @@ def compute_gradients(run, step: int) -> float:
     """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad()
-    for stage in run.stages:
-        stage.loss_scale = run.optimizer.loss_scale
     run.comm.begin_step()
-    loss = schedule.schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    loss = family(run.args).schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     if run.args.schedule == "dualpipe":  # each stage's two copies saw one direction each
         names = [name for name, _ in run.model.named_parameters()]

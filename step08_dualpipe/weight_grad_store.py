@@ -9,7 +9,10 @@ so a schedule may run B at once and W whenever the stage would otherwise idle
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"). As in DeepSeek's DualPipe,
 the split lives in the Linear layer itself: `linear` is an autograd function
 whose backward always returns dx, and either computes dW at once or, while
-deferring, queues it as a closure in the WeightGradStore. One backward's
+deferring, queues it as a closure in the WeightGradStore. Only forwards whose
+backward may be split (a splitting schedule's, inside splittable()) build it;
+any other takes F.linear, whose backward is autograd's own and costs what step
+07's does. One backward's
 closures form one W, filed under its (chunk, microbatch); `pop` runs the oldest
 W, so W's run in the order of their B's and each weight gradient sums its
 microbatches in the same order as an undivided backward would.
@@ -38,6 +41,7 @@ class WeightGradStore:
     oldest first. It is the one record of which W's wait: a schedule asks it for the oldest, runs that,
     and ends its step with the store empty."""
 
+    recording = False  # while True, linear builds the course's Linear, whose backward can defer dW
     deferring = False  # while True, linear's backward queues dW instead of computing it
     cache = []  # closures of the backward now running
     queue = deque()  # ((chunk, mb), closures) per split B, oldest first
@@ -45,6 +49,16 @@ class WeightGradStore:
     @classmethod
     def put(cls, closure):
         cls.cache.append(closure)
+
+    @classmethod
+    @contextmanager
+    def splittable(cls, enabled: bool = True):
+        """Within the block, forwards build Linear nodes, so that their backward can be split later."""
+        cls.recording = enabled
+        try:
+            yield
+        finally:
+            cls.recording = False
 
     @classmethod
     @contextmanager
@@ -119,4 +133,5 @@ class Linear(torch.autograd.Function):
 
 
 def linear(x, weight):
-    return Linear.apply(x, weight)
+    """y = x W^T: the course's Linear where the backward may be split, else F.linear."""
+    return Linear.apply(x, weight) if WeightGradStore.recording else F.linear(x, weight)

@@ -60,13 +60,14 @@ def main(step_dir):
             problems += pipedream_problems(importlib.import_module("pipedream"), args, f"{' '.join(flags)}")
             continue
         sequential = getattr(args, "pairs", None) == "sequential"
+        family = config.family(args) if hasattr(config, "family") else module  # step 08: DualPipe's is its own
         for times in (TIMES_SEQUENTIAL if sequential else TIMES) if name in SPLIT else [None]:  # they take F, B, W
-            text, value = module.bubble_formula(args, *[times] if times else [])
+            text, value = family.bubble_formula(args, *[times] if times else [])
             expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1), sequential)
             if abs(value - expected) > 1e-12:
                 problems.append(f"{name} pp={pp} m={m} v={v}: bubble {text} = {value}, expected {expected}")
         for stage in range(pp) if hasattr(module, "peak_stored_microbatches") else []:
-            text, value = module.peak_stored_microbatches(args, stage)
+            text, value = family.peak_stored_microbatches(args, stage)
             if value != formulas.peak_stored(name, pp, stage, m, v):
                 problems.append(f"{name} pp={pp} m={m} v={v} stage {stage}: peak stored {text} = {value}, "
                                 f"expected {formulas.peak_stored(name, pp, stage, m, v)}")

@@ -178,7 +178,7 @@ class FakeStage:
         self.log, self.dist, self.chunk, self.g, self.store = log, dist, chunk, global_chunk, store
         self.is_first, self.is_last = global_chunk == 0, global_chunk == n_chunks - 1
         self.recompute, self.microbatches = False, microbatches
-        self.loss_scale = 1.0  # step 07: what the last stage's backward is seeded with, times 1/m
+        self.grad_scale_func = lambda loss: loss  # step 07: the last stage's seed is grad_scale_func(1) / m
 
     def _given(self, tensor, expected, what):
         """Remember what a consumed tensor should hold; a received one is judged after matching."""
@@ -285,6 +285,8 @@ class Step:
         import timeline
         self.config, self.p2p, self.groups = config, p2p, process_groups
         self.schedule, self.timeline = schedule, timeline
+        # Every flushed schedule by name: schedule.py's, and step 08's DualPipe family's (dualpipe.py)
+        self.schedules = {**schedule.SCHEDULES, **getattr(sys.modules.get("dualpipe"), "SCHEDULES", {})}
         self.parser = config.build_parser()
         # Step 08: the store of pending W's, which the fake stages fill and empty as real ones do
         self.store = sys.modules["weight_grad_store"].WeightGradStore if "weight_grad_store" in sys.modules else None
@@ -298,8 +300,8 @@ class Step:
 
     def layout(self, name, pp, m, virtual, rank):
         """(global chunks of a rank, chunks in all): the step's own model_chunks (step 08), else interleaved."""
-        if hasattr(self.schedule, "model_chunks"):
-            return self.schedule.model_chunks(self.args(name, pp, m, virtual, "batched"), rank)
+        if hasattr(self.config, "model_chunks"):
+            return self.config.model_chunks(self.args(name, pp, m, virtual, "batched"), rank)
         return [c * pp + rank for c in range(virtual)], pp * virtual
 
     def allowed(self, name, pp, m, virtual, ordering):
@@ -340,7 +342,7 @@ class Step:
         if wrong_backward:
             swap_first_two_backwards(stages)
         microbatches = [(tag(TOKENS, 0, mb), None) for mb in range(m)]
-        self.schedule.SCHEDULES[name](stages, comm, microbatches, **options)
+        self.schedules[name](stages, comm, microbatches, **options)
         return log
 
     def check(self, name, pp, m, ordering, virtual=1):
@@ -360,7 +362,7 @@ class Step:
 
     def configurations(self, allowed=True):
         """All (schedule, pp, m, v, ordering) the step's rules allow (or refuse), up to MAX_PP, MAX_M, MAX_V."""
-        for name in self.schedule.SCHEDULES:
+        for name in self.schedules:
             if name in ("dualpipe", "dualpipev"):
                 continue  # step 08's two-way schedules have checks of their own (two_way.py)
             for pp in range(1, MAX_PP + 1):
@@ -447,7 +449,7 @@ def main(step_dir, as_json=False):
                   problem_count=len(problems), problems=problems[:50], refused_but_safe=refused_but_safe[:50])
     parts = [("negative controls", negative_controls), ("timeout count", check_timeout_count)]
     parts += [("zb1p ideal timeline", check_zb1p_bubble)] if "zb1p" in step.schedule.SCHEDULES else []
-    parts += [("DualPipe", check_two_way)] if "dualpipe" in step.schedule.SCHEDULES else []
+    parts += [("DualPipe", check_two_way)] if "dualpipe" in step.schedules else []
     parts += [("PipeDream", check_pipedream)] if os.path.exists(os.path.join(step_dir, "pipedream.py")) else []
     for what, part in parts:
         try:

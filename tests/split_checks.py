@@ -30,7 +30,9 @@ def build(modules, tp, dtype):
 
 def gradients(stage, batches, split, run_weights=True):
     """Forwards of every microbatch, then their backwards, whole or as B's then W's; returns name -> grad."""
-    outs = [stage.forward(mb, x, y) for mb, (x, y) in enumerate(batches)]
+    from weight_grad_store import WeightGradStore
+    with WeightGradStore.splittable(split):  # as a splitting schedule's Stash runs its forwards
+        outs = [stage.forward(mb, x, y) for mb, (x, y) in enumerate(batches)]
     for mb, ((x, _), out) in enumerate(zip(batches, outs)):
         stage.backward(mb, x, out, torch.full_like(out, 1 / len(batches)), split=split)
     for mb in range(len(batches)) if split and run_weights else []:

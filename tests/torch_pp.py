@@ -57,9 +57,9 @@ def plain_linear():
 
 def chunk_layout(args, stage):
     """(global chunks of this rank, chunks in all): the step's own layout where it has one (step 08)."""
-    schedule = sys.modules["schedule"]
-    if hasattr(schedule, "model_chunks"):
-        return schedule.model_chunks(args, stage)
+    config = sys.modules["config"]
+    if hasattr(config, "model_chunks"):
+        return config.model_chunks(args, stage)
     n_chunks = args.pp * getattr(args, "virtual_stages", 1)
     return list(range(stage, n_chunks, args.pp)), n_chunks
 
