@@ -22,7 +22,7 @@ from config import parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
-from data_parallel import average_gradients
+from finalize_grads import average_gradients, finalize_model_grads
 from memory import ActivationMeter
 import pipedream
 import schedule
@@ -112,7 +112,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.pgm, run.timeline)
     return share_loss(run, loss)
 
 

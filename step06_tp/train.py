@@ -23,8 +23,7 @@ from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
-from tied_embeddings import sum_embedding_grads
-from data_parallel import average_gradients
+from finalize_grads import average_gradients, finalize_model_grads
 from memory import ActivationMeter
 import pipedream
 import schedule
@@ -119,9 +118,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.model, run.pgm, run.timeline)
-    if run.args.tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
-        sum_embedding_grads(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.pgm, run.timeline, run.args.tie_embeddings)
     return share_loss(run, loss)
 
 

@@ -61,6 +61,7 @@ class ProcessGroupManager:
         self.stage, self.dp_rank, self.tp_rank = grid_coordinates(rank, dp, tp)
         timeout = timedelta(seconds=timeout_s)
         self.embedding_group = None  # pp = 1: the one stage holds the tied embedding once
+        self.twin_group = None  # no DualPipe: each stage is held once
         # new_group is collective: every rank creates every group, in the same order.
         for kind, groups in grid_groups(tp, pp, dp, twins).items():
             for members in groups:

@@ -28,8 +28,7 @@ from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
-from tied_embeddings import sum_embedding_grads
-from data_parallel import average_gradients
+from finalize_grads import average_gradients, finalize_model_grads
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
 from memory import ActivationMeter
 import pipedream
@@ -38,7 +37,6 @@ from p2p import PipelineComm
 from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
 from process_groups import ProcessGroupManager, describe_rank
 from schedule import TWO_WAY, model_chunks
-from dualpipe import sum_twin_gradients
 from stage import PipelineStage, VirtualStages
 from timeline import Timeline, bubble_report, gather_events, mean_durations, write_chrome_trace
 
@@ -134,14 +132,9 @@ def compute_gradients(run, step: int) -> float:
     run.comm.begin_step()
     loss = schedule.schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
-    if run.args.schedule == "dualpipe":  # each stage's two copies saw one direction each
-        names = [name for name, _ in run.model.named_parameters()]
-        sum_twin_gradients(dict(zip(names, run.optimizer.main_grads())), run.pgm.twin_group, run.timeline)
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.optimizer.main_grads(), run.pgm, run.timeline)
-    if run.args.tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
-        sum_embedding_grads(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.optimizer.main_grads(), run.pgm, run.timeline, run.args.tie_embeddings)
     return share_loss(run, loss)
 
 
