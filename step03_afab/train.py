@@ -29,7 +29,7 @@ from p2p import PipelineComm
 from process_groups import ProcessGroupManager, describe_rank
 from schedule import afab_forward_backward, bubble_formula, peak_stored_microbatches
 from stage import PipelineStage
-from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+from timeline import Timeline, install, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
@@ -69,9 +69,10 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
-    stages = [PipelineStage(model, recompute=args.recompute, timeline=timeline, meter=meter)]
+    install(timeline)  # the engine records into this process's timeline
+    stages = [PipelineStage(model, recompute=args.recompute, meter=meter)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, torch.float32, device, timeline)
+    comm = PipelineComm(pgm, shape, torch.float32, device)
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -103,7 +104,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    finalize_model_grads(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.pgm)
     return share_loss(run, loss)
 
 

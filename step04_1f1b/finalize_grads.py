@@ -16,8 +16,10 @@ all, instead of one per microbatch.
 import torch
 import torch.distributed as dist
 
+import timeline
 
-def all_reduce_flat(grads, group, timeline, what=None, divide_by=1):
+
+def all_reduce_flat(grads, group, what=None, divide_by=1):
     """Sum `grads` over `group` as one flat buffer (one timeline box), divide by `divide_by`, and give each
     gradient its part back."""
     with timeline.span("allreduce", what=what):
@@ -31,14 +33,14 @@ def all_reduce_flat(grads, group, timeline, what=None, divide_by=1):
             offset += g.numel()
 
 
-def average_gradients(model, pgm, timeline):
+def average_gradients(model, pgm):
     """All-reduce this stage's gradients over its data-parallel group and divide by its size."""
     if pgm.dp == 1:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    all_reduce_flat(grads, pgm.dp_group, timeline, divide_by=pgm.dp)
+    all_reduce_flat(grads, pgm.dp_group, divide_by=pgm.dp)
 
 
-def finalize_model_grads(model, pgm, timeline):
+def finalize_model_grads(model, pgm):
     """Every reduction the gradients need once the schedule is done (called once per optimizer step)."""
-    average_gradients(model, pgm, timeline)
+    average_gradients(model, pgm)

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 import faults
+import timeline
 from faults import PeerGone, PeerTimeout
 
 ORDERINGS = ("batched", "ordered")
@@ -83,12 +84,13 @@ class PipelineComm:
     """This rank's link to its two neighbours in the ring of pipeline stages: the transfers queued and not yet
     posted, the sends still in flight, the receive buffers to reuse and the count of what arrived this step
     (for the timeout line). The schedules call its verbs; train.py makes one per rank and starts each step
-    with begin_step. It reaches the network only through dist.P2POp, batch_isend_irecv, isend and irecv."""
+    with begin_step. It reaches the network only through dist.P2POp, batch_isend_irecv, isend and irecv, and
+    records its boxes on this process's timeline (timeline.span)."""
 
-    def __init__(self, pgm, shape, dtype, device, timeline, ordering="batched"):
+    def __init__(self, pgm, shape, dtype, device, ordering="batched"):
         self.stage, self.num_stages = pgm.stage, pgm.pp
         self.prev_rank, self.next_rank = pgm.prev_rank, pgm.next_rank
-        self.shape, self.dtype, self.device, self.timeline = shape, dtype, device, timeline
+        self.shape, self.dtype, self.device = shape, dtype, device
         self.ordering = ordering
         self.received = Counter()  # activations and gradients received so far this step, for errors
         self.free = []  # receive buffers nobody needs any more
@@ -169,7 +171,8 @@ class PipelineComm:
             return dist.batch_isend_irecv(posted), posted
         # activations, then gradients; within each, even stages send first and odd stages receive first
         odd = self.stage % 2 == 1
-        posted = [op for op, what in sorted(queued, key=lambda q: (q[1] == "gradient", (q[0].op == dist.isend) == odd))]
+        in_order = sorted(queued, key=lambda q: (q[1] == "gradient", (q[0].op == dist.isend) == odd))
+        posted = [op for op, _ in in_order]
         return [op.op(op.tensor, op.peer) for op in posted], posted  # dist.isend / dist.irecv
 
     def _arrive(self, queued, works, posted, why):
@@ -211,11 +214,11 @@ class PipelineComm:
     def _box(self, queued):
         """The committed transfers' timeline box: send, recv or sendrecv, and what travelled, in the order
         queued. It is named only while the timeline records: switched off, the box costs nothing."""
-        if not self.timeline.enabled:
+        if not timeline.recorder().enabled:
             return nullcontext()
         names = [f"{'send' if op.op == dist.isend else 'recv'} {what}" for op, what in queued]
         directions = {name.split()[0] for name in names}
-        return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names))
+        return timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names))
 
     def _timeout_message(self, queued, verb="waited in vain for"):
         """Who waited for what: the k-th activation or gradient of this step, from which rank; then who was

@@ -25,7 +25,7 @@ and tells it when the backward is done, so that it can update the live weights.
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
-The timeline and the activation meter only watch: leave them out and the stage
+The timeline (timeline.span) and the activation meter only watch: off, the stage
 computes the same.
 """
 import torch
@@ -34,7 +34,7 @@ from torch.func import functional_call
 
 from memory import ActivationMeter
 from model import lm_loss
-from timeline import Timeline
+import timeline
 
 
 def deallocate_output(out):
@@ -56,11 +56,10 @@ class PipelineStage:
     with recompute, deallocation of sent outputs and PipeDream's weight versions (see the module's docstring).
     It holds no schedule state: which microbatch runs when is the schedule's."""
 
-    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None,
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, meter=None,
                  versions=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
-        self.timeline = timeline or Timeline(enabled=False)
         self.meter = meter or ActivationMeter(enabled=False)
         self.versions = versions  # PipeDream's WeightVersions, else None: the model's own weights
 
@@ -72,7 +71,7 @@ class PipelineStage:
     def forward(self, mb, x, target):
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
         weights = self.versions.forward(mb) if self.versions else None
-        with self.timeline.span("forward", mb, chunk=self.chunk):
+        with timeline.span("forward", mb, chunk=self.chunk):
             if self.recompute:
                 self.meter.keep(key, x)  # only the input is stored
                 with torch.no_grad():
@@ -87,7 +86,7 @@ class PipelineStage:
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
         weights = self.versions.weights(mb) if self.versions else None  # the version the forward ran on
-        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
+        with timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
                 torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
             return x, self._run(x, target, weights)
@@ -100,7 +99,7 @@ class PipelineStage:
 
     def backward(self, mb, x, out, out_grad):
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0)."""
-        with self.timeline.span("backward", mb, chunk=self.chunk):
+        with timeline.span("backward", mb, chunk=self.chunk):
             custom_backward(out, out_grad)
             if self.versions:  # PipeDream: the gradient goes to the live weights, maybe an update (timed as B)
                 self.versions.backward_done(mb)

@@ -30,7 +30,7 @@ from p2p import PipelineComm
 from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
 from process_groups import ProcessGroupManager, describe_rank
 from stage import PipelineStage, VirtualStages
-from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+from timeline import Timeline, install, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
@@ -72,15 +72,16 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
+    install(timeline)  # the engine records into this process's timeline
     versions = None
     if args.schedule in pipedream.SCHEDULES:  # the stage steps as it goes, on the versions it keeps
         versions = WeightVersions(model, optimizer, args.steps * args.microbatches, version_rule(args),
                                   updates_every(args), not args.no_weight_stashing,
-                                  partial(average_gradients, model, pgm, timeline))
+                                  partial(average_gradients, model, pgm))
     stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
-                            timeline=timeline, meter=meter, versions=versions) for c, chunk in enumerate(model)]
+                            meter=meter, versions=versions) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
+    comm = PipelineComm(pgm, shape, torch.float32, device, args.p2p)
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -112,7 +113,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    finalize_model_grads(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.pgm)
     return share_loss(run, loss)
 
 

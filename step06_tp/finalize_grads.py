@@ -27,8 +27,10 @@ both copies are the same vocabulary rows, so shard meets shard.
 import torch
 import torch.distributed as dist
 
+import timeline
 
-def all_reduce_flat(grads, group, timeline, what=None, divide_by=1):
+
+def all_reduce_flat(grads, group, what=None, divide_by=1):
     """Sum `grads` over `group` as one flat buffer (one timeline box), divide by `divide_by`, and give each
     gradient its part back."""
     with timeline.span("allreduce", what=what):
@@ -42,25 +44,25 @@ def all_reduce_flat(grads, group, timeline, what=None, divide_by=1):
             offset += g.numel()
 
 
-def average_gradients(model, pgm, timeline):
+def average_gradients(model, pgm):
     """All-reduce this stage's gradients over its data-parallel group and divide by its size."""
     if pgm.dp == 1:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    all_reduce_flat(grads, pgm.dp_group, timeline, divide_by=pgm.dp)
+    all_reduce_flat(grads, pgm.dp_group, divide_by=pgm.dp)
 
 
-def sum_embedding_grads(model, pgm, timeline):
+def sum_embedding_grads(model, pgm):
     """All-reduce the tied embedding's gradient between the first and the last stage
     (call it only with tied embeddings: untied, the first stage's embedding has no partner)."""
     weight = dict(model.named_parameters()).get("embed.weight")
     if pgm.embedding_group is None or weight is None:
         return  # pp = 1 (autograd summed the two uses already), or a middle stage
-    all_reduce_flat([weight.grad], pgm.embedding_group, timeline, what="tied embedding gradient")
+    all_reduce_flat([weight.grad], pgm.embedding_group, what="tied embedding gradient")
 
 
-def finalize_model_grads(model, pgm, timeline, tie_embeddings=False):
+def finalize_model_grads(model, pgm, tie_embeddings=False):
     """Every reduction the gradients need once the schedule is done (called once per optimizer step)."""
-    average_gradients(model, pgm, timeline)
+    average_gradients(model, pgm)
     if tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
-        sum_embedding_grads(model, pgm, timeline)
+        sum_embedding_grads(model, pgm)

@@ -33,7 +33,7 @@ from p2p import PipelineComm
 from pipedream import WeightVersions, pipedream_forward_backward, updates_every, version_rule
 from process_groups import ProcessGroupManager, describe_rank
 from stage import PipelineStage, VirtualStages
-from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+from timeline import Timeline, install, bubble_report, gather_events, write_chrome_trace
 
 
 def parse_args(argv=None):
@@ -73,8 +73,9 @@ def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
     pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp)
     timeline = Timeline(dist.get_rank(), device)
+    install(timeline)  # the engine records into this process's timeline
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
-    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
+    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp)).to(device, dtype)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
     meter = ActivationMeter(model)
@@ -83,11 +84,11 @@ def build(args, device) -> Run:
         adamw = torch.optim.AdamW(model.parameters(), lr=args.lr)
         versions = WeightVersions(model, adamw, args.steps * args.microbatches, version_rule(args),
                                   updates_every(args), not args.no_weight_stashing,
-                                  lambda: average_gradients([p.grad for p in model.parameters()], pgm, timeline))
+                                  lambda: average_gradients([p.grad for p in model.parameters()], pgm))
     stages = [PipelineStage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
-                            timeline=timeline, meter=meter, versions=versions) for c, chunk in enumerate(model)]
+                            meter=meter, versions=versions) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, dtype, device, timeline, args.p2p, args.scatter_gather)  # pipeline_dtype
+    comm = PipelineComm(pgm, shape, dtype, device, args.p2p, args.scatter_gather)  # pipeline_dtype
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -124,7 +125,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    finalize_model_grads(run.model, run.optimizer.main_grads(), run.pgm, run.timeline, run.args.tie_embeddings)
+    finalize_model_grads(run.model, run.optimizer.main_grads(), run.pgm, run.args.tie_embeddings)
     return share_loss(run, loss)
 
 

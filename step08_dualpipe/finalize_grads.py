@@ -31,8 +31,10 @@ whole batch's, so both take the same optimizer step and stay equal.
 import torch
 import torch.distributed as dist
 
+import timeline
 
-def all_reduce_flat(grads, group, timeline, what=None, divide_by=1):
+
+def all_reduce_flat(grads, group, what=None, divide_by=1):
     """Sum `grads` over `group` as one flat buffer (one timeline box), divide by `divide_by`, and give each
     gradient its part back."""
     with timeline.span("allreduce", what=what):
@@ -46,39 +48,39 @@ def all_reduce_flat(grads, group, timeline, what=None, divide_by=1):
             offset += g.numel()
 
 
-def average_gradients(grads, pgm, timeline):
+def average_gradients(grads, pgm):
     """All-reduce this stage's gradients (the fp32 sums over its microbatches) over its data-parallel
     group and divide by its size."""
     if pgm.dp == 1:
         return
     grads = [g for g in grads if g is not None]
-    all_reduce_flat(grads, pgm.dp_group, timeline, divide_by=pgm.dp)
+    all_reduce_flat(grads, pgm.dp_group, divide_by=pgm.dp)
 
 
-def sum_embedding_grads(model, pgm, timeline):
+def sum_embedding_grads(model, pgm):
     """All-reduce the tied embedding's gradient between the first and the last stage
     (call it only with tied embeddings: untied, the first stage's embedding has no partner)."""
     weight = dict(model.named_parameters()).get("embed.weight")
     if pgm.embedding_group is None or weight is None:
         return  # pp = 1 (autograd summed the two uses already), or a middle stage
     grad = getattr(weight, "main_grad", weight.grad)  # the fp32 main_grad if half
-    all_reduce_flat([grad], pgm.embedding_group, timeline, what="tied embedding gradient")
+    all_reduce_flat([grad], pgm.embedding_group, what="tied embedding gradient")
 
 
-def sum_twin_gradients(named_grads: dict, group, timeline):
+def sum_twin_gradients(named_grads: dict, group):
     """DualPipe: all-reduce (sum) each stage's gradients between its two copies, on ranks r and p-1-r.
 
     Each copy summed the gradients of one direction's microbatches; the sum is the whole batch's.
     Both ranks hold the same parameter names, so sorted by name their flat buffers line up."""
-    all_reduce_flat([g for _, g in sorted(named_grads.items())], group, timeline, what="twin stage gradients")
+    all_reduce_flat([g for _, g in sorted(named_grads.items())], group, what="twin stage gradients")
 
 
-def finalize_model_grads(model, grads, pgm, timeline, tie_embeddings=False):
+def finalize_model_grads(model, grads, pgm, tie_embeddings=False):
     """Every reduction the gradients need once the schedule is done (called once per optimizer step).
     grads: the optimizer's gradient of each parameter of model, in order (main_grads)."""
     if pgm.twin_group is not None:  # DualPipe: each stage's two copies saw one direction each
         names = [name for name, _ in model.named_parameters()]
-        sum_twin_gradients(dict(zip(names, grads)), pgm.twin_group, timeline)
-    average_gradients(grads, pgm, timeline)
+        sum_twin_gradients(dict(zip(names, grads)), pgm.twin_group)
+    average_gradients(grads, pgm)
     if tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
-        sum_embedding_grads(model, pgm, timeline)
+        sum_embedding_grads(model, pgm)
