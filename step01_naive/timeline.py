@@ -31,6 +31,11 @@ COMPUTE = ("forward", "backward", "recompute")
 
 
 class Timeline:
+    """One rank's record of what it did and when: a list of events, one per span. start_step and end_step
+    bracket an optimizer step; span(kind, microbatch, ...) records its body as one event. Each rank
+    (process) keeps one, made by train.py. Made with enabled=False, or switched off, it records nothing
+    and a span costs nothing."""
+
     def __init__(self, rank: int = 0, device=None, enabled: bool = True):
         self.rank, self.enabled = rank, enabled
         self.on_cuda = device is not None and torch.device(device).type == "cuda"

@@ -15,24 +15,23 @@ the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
 `chunk` numbers this rank's model chunks; it stays 0 until step 05 gives a rank
-several. The timeline and the activation meter only watch: leave them out and
-the stage computes the same.
+several. The timeline (timeline.span) and the activation meter only watch: leave the meter out,
+or the timeline off, and the stage computes the same.
 """
 import torch
 
 from memory import ActivationMeter
 from model import lm_loss
-from timeline import Timeline
+import timeline
 
 
 class PipelineStage:
     """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
     (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
-    def __init__(self, model, *, chunk=0, recompute=False, timeline=None, meter=None):
+    def __init__(self, model, *, chunk=0, recompute=False, meter=None):
         self.model, self.chunk, self.recompute = model, chunk, recompute
         self.is_first, self.is_last = model.first, model.last
-        self.timeline = timeline or Timeline(enabled=False)
         self.meter = meter or ActivationMeter(enabled=False)
 
     def _run(self, x, target):
@@ -41,7 +40,7 @@ class PipelineStage:
 
     def forward(self, mb, x, target):
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
-        with self.timeline.span("forward", mb, chunk=self.chunk):
+        with timeline.span("forward", mb, chunk=self.chunk):
             if self.recompute:
                 self.meter.keep(key, x)  # only the input is stored
                 with torch.no_grad():
@@ -55,14 +54,14 @@ class PipelineStage:
 
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
-        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb)), \
+        with timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb)), \
                 torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
             return x, self._run(x, target)
 
     def backward(self, mb, x, out, out_grad):
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0)."""
-        with self.timeline.span("backward", mb, chunk=self.chunk):
+        with timeline.span("backward", mb, chunk=self.chunk):
             torch.autograd.backward(out, out_grad)
         self.meter.release((self.chunk, mb))
         return None if self.is_first else x.grad

@@ -23,14 +23,14 @@ from config import parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
-from data_parallel import average_gradients
+from finalize_grads import finalize_model_grads
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from schedule import afab_forward_backward
 from stage import PipelineStage
 from report import gather_peaks, report
-from timeline import Timeline
+from timeline import Timeline, install
 
 
 def parse_args(argv=None):
@@ -70,9 +70,10 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
-    stages = [PipelineStage(model, recompute=args.recompute, timeline=timeline, meter=meter)]
+    install(timeline)  # the engine records into this process's timeline
+    stages = [PipelineStage(model, recompute=args.recompute, meter=meter)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, torch.float32, device, timeline)
+    comm = PipelineComm(pgm, shape, torch.float32, device)
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -104,7 +105,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.pgm)
     return share_loss(run, loss)
 
 

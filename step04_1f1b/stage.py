@@ -23,8 +23,8 @@ Two seams do nothing here, weights(mb) and backward_done(mb): PipeDream's stage
 (pipedream.py) overrides them to run on weight versions and update as it goes.
 
 `chunk` numbers this rank's model chunks; it stays 0 until step 05 gives a rank
-several. The timeline and the activation meter only watch: leave them out and
-the stage computes the same.
+several. The timeline (timeline.span) and the activation meter only watch: leave the meter out,
+or the timeline off, and the stage computes the same.
 """
 import torch
 from torch.autograd import Variable
@@ -32,7 +32,7 @@ from torch.func import functional_call
 
 from memory import ActivationMeter
 from model import lm_loss
-from timeline import Timeline
+import timeline
 
 
 def deallocate_output(out):
@@ -53,10 +53,9 @@ class PipelineStage:
     """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
     (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
-    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None):
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, meter=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
-        self.timeline = timeline or Timeline(enabled=False)
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):
@@ -74,7 +73,7 @@ class PipelineStage:
     def forward(self, mb, x, target):
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
         weights = self.weights(mb)
-        with self.timeline.span("forward", mb, chunk=self.chunk):
+        with timeline.span("forward", mb, chunk=self.chunk):
             if self.recompute:
                 self.meter.keep(key, x)  # only the input is stored
                 with torch.no_grad():
@@ -89,7 +88,7 @@ class PipelineStage:
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
         weights = self.weights(mb)  # those the forward ran on
-        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
+        with timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
                 torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
             return x, self._run(x, target, weights)
@@ -102,7 +101,7 @@ class PipelineStage:
 
     def backward(self, mb, x, out, out_grad):
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0)."""
-        with self.timeline.span("backward", mb, chunk=self.chunk):
+        with timeline.span("backward", mb, chunk=self.chunk):
             custom_backward(out, out_grad)
             self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
         self.meter.release((self.chunk, mb))

@@ -16,6 +16,11 @@ import torch.distributed as dist
 
 
 class ProcessGroupManager:
+    """Where this rank sits in the grid and who its partners are: its coordinates (stage, dp_rank, and
+    tp_rank from step 06), its process groups (one per kind of partner: made collectively, every rank
+    creating every group in the same order) and its previous and next rank in the pipeline's ring.
+    train.build makes one per rank; everything else asks it these questions."""
+
     def __init__(self, pp: int, dp: int, timeout_s: float):
         rank = dist.get_rank()
         self.pp, self.dp = pp, dp

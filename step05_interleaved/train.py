@@ -23,13 +23,13 @@ from config import family, parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
-from data_parallel import average_gradients
+from finalize_grads import average_gradients, finalize_model_grads
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from stage import VirtualStages
 from report import gather_peaks, report
-from timeline import Timeline
+from timeline import Timeline, install
 
 
 def parse_args(argv=None):
@@ -71,12 +71,13 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(dist.get_rank(), device), ActivationMeter(model)
-    before_update = lambda: average_gradients(model, pgm, timeline)  # PipeDream: each update's dp average
+    install(timeline)  # the engine records into this process's timeline
+    before_update = lambda: average_gradients(model, pgm)  # PipeDream: each update's dp average
     stage = family(args).stage_class(args, model, before_update)  # PipeDream's keeps weight versions
-    stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate, timeline=timeline,
+    stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
                     meter=meter) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, torch.float32, device, timeline, args.p2p)
+    comm = PipelineComm(pgm, shape, torch.float32, device, args.p2p)
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -109,7 +110,7 @@ def compute_gradients(run, step: int) -> float:
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.pgm)
     return share_loss(run, loss)
 
 

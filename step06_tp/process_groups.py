@@ -52,6 +52,11 @@ def grid_groups(tp: int, pp: int, dp: int) -> dict:
 
 
 class ProcessGroupManager:
+    """Where this rank sits in the grid and who its partners are: its coordinates (stage, dp_rank, and
+    tp_rank from step 06), its process groups (one per kind of partner: made collectively, every rank
+    creating every group in the same order) and its previous and next rank in the pipeline's ring.
+    train.build makes one per rank; everything else asks it these questions."""
+
     def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1):
         rank = dist.get_rank()
         self.pp, self.dp, self.tp = pp, dp, tp

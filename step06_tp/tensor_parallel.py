@@ -29,30 +29,29 @@ Every parameter here records in `tp_split_dim` which dimension was split, so a
 model can be initialised as slices of the single-device weights and the tests
 can put the shards back together.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from timeline import Timeline
+import timeline
 
 
 @dataclass(frozen=True)
 class TPGroup:
     """The ranks that share one layer's matrices: their process group, this rank's index among
-    them, their number, and the timeline that records their all-reduces. TPGroup() is one device."""
+    them, and their number (their all-reduces go on this process's timeline). TPGroup() is one device."""
     group: object = None
     rank: int = 0
     size: int = 1
-    timeline: Timeline = field(default_factory=lambda: Timeline(enabled=False))
 
 
 def all_reduce(x, tp: TPGroup, what: str, op=dist.ReduceOp.SUM):
     """Reduce x over the TP group, in place, as one timeline box; nothing to do on one rank."""
     if tp.size > 1:
-        with tp.timeline.span("tp allreduce", what=what, bytes=x.numel() * x.element_size()):
+        with timeline.span("tp allreduce", what=what, bytes=x.numel() * x.element_size()):
             dist.all_reduce(x, op=op, group=tp.group)
     return x
 

@@ -172,7 +172,7 @@ class Transformer(nn.Module):
     With cfg.tie_embeddings the head is the embedding matrix. A last stage that is not also the
     first keeps its own copy of it, drawn from the same generator, so equal to the first stage's;
     it is marked `shared` and the two copies' gradients are summed after the backward
-    (tied_embeddings.py), as Megatron-LM does.
+    (finalize_grads.py), as Megatron-LM does.
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids=None, first=True, last=True, seed=0, tp: TPGroup = None):

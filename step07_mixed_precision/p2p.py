@@ -7,14 +7,18 @@ The four verbs of every pipeline schedule (names as in Megatron-LM):
     recv_backward  receive d(loss)/d(output) from the next stage
     send_backward  send d(loss)/d(input) to the previous stage
 
-All four are one call of `communicate`, Megatron's `_communicate`: optionally
-send an activation to the next rank and a gradient to the previous one,
-optionally receive an activation from the previous rank and a gradient from the
-next one. Later steps combine several of these in one call; the worker stays
-the same. At the ends of the pipeline the verbs do nothing (a receive returns
-None): the first stage reads tokens, the last stage starts from its loss.
+Every transfer is posted one way, the way DeepSeek's DualPipe code posts its
+own: the schedule queues it (queue_send, queue_recv), and `commit` posts the
+queue, in one batch_isend_irecv, and waits for what it receives. The four verbs
+are thin wrappers over it: each is one call of `communicate`, Megatron's
+`_communicate`, which queues, in Megatron's order, an activation for the next
+rank, the receive of an activation from the previous one, a gradient for the
+previous rank and the receive of a gradient from the next one (each optional),
+then commits. Later steps combine several of these in one call; the mechanism
+stays the same. At the ends of the pipeline the verbs do nothing (a receive
+returns None): the first stage reads tokens, the last stage starts from its loss.
 
-Step 04 adds the two combined verbs of the 1F1B steady state, each one exchange:
+The combined verbs of 1F1B, each one exchange:
 
     send_forward_recv_backward   send the newest output, receive the gradient of the oldest microbatch
     send_backward_recv_forward   send an input gradient, receive the next microbatch's input
@@ -22,24 +26,26 @@ Step 04 adds the two combined verbs of the 1F1B steady state, each one exchange:
 Why combined verbs, and why an ordering. In the steady state stage s sends an
 activation to s+1 while s+1 sends a gradient to s. If each side waited for its
 send to complete before it received, both would wait for ever (NCCL sends of
-large tensors block until matched; we must assume every send can). Two cures:
+large tensors block until matched; we must assume every send can). Two cures,
+two ways for `commit` to post its queue:
 
     batched  post the sends and receives together with batch_isend_irecv, one
              fused operation: nothing waits for anything else to be posted.
     ordered  Megatron's even/odd rule (its _p2p_ops): post non-blocking isend and
-             irecv one by one, even stages send first and odd stages receive
-             first, then wait for all. tests/replay.py completes each rank's
-             operations in the order posted, a conservative model (PyTorch's NCCL
-             backend runs a lone isend or irecv on one stream per peer pair); under
-             it neighbours of opposite parity meet, first operation with first.
+             irecv one by one, activations before gradients, even stages send
+             first and odd stages receive first, then wait for all.
+             tests/replay.py completes each rank's operations in the order
+             posted, a conservative model (PyTorch's NCCL backend runs a lone
+             isend or irecv on one stream per peer pair); under it neighbours of
+             opposite parity meet, first operation with first.
 
-Step 05 adds the two verbs of the interleaved schedule, non-blocking receives:
+Non-blocking receives, the two verbs of the interleaved schedule:
 
     irecv_forward    post the receive of an input activation from the previous rank
     irecv_backward   post the receive of an output gradient from the next rank
 
 Each returns as soon as its receive is posted, with the function that waits for
-it (communicate's wait=False). The schedule posts each receive about when the
+it (commit's wait=False). The schedule posts each receive about when the
 neighbour computes what it brings, and waits only just before the compute that
 needs it: the message travels while the rank computes. Its sends are exchanges
 of one operation each, right after the compute that made what they send. So
@@ -52,14 +58,7 @@ With virtual stages activations go round the ring of ranks v times,
 so here the last rank's next rank is rank 0: the neighbours were a ring from
 step 03 on.
 
-A receive needs a buffer of known shape and dtype: both neighbours know the
-microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
-sent. No message carries a label either: two ranks agree on what the k-th
-message between them is because both run the same schedule. Received tensors
-come back through `recycle` once their microbatch's backward is done, and the
-next receives reuse them: a fresh buffer for every message costs page faults.
-
-Step 06 puts tensor parallelism inside each stage. After a stage's last
+Scatter-gather, with tensor parallelism inside each stage. After a stage's last
 row-parallel all-reduce every TP rank holds the same full activation, and each
 sends it to its own counterpart (same tp_rank) in the next stage. With
 scatter_gather (Megatron's scatter-gather optimisation) each TP rank sends only
@@ -67,6 +66,13 @@ its 1/tp slice of the flattened tensor, and the receiving stage's TP ranks
 all-gather the slices: the bytes crossing the pipeline, which may cross nodes,
 fall tp-fold, and the all-gather stays inside the node. A tensor whose size
 does not divide by tp is sent whole.
+
+A receive needs a buffer of known shape and dtype: both neighbours know the
+microbatch shape [microbatch, seq_len, hidden] in advance, so no size is ever
+sent. No message carries a label either: two ranks agree on what the k-th
+message between them is because both run the same schedule. Received tensors
+come back through `recycle` once their microbatch's backward is done, and the
+next receives reuse them: a fresh buffer for every message costs page faults.
 """
 import math
 from collections import Counter
@@ -77,20 +83,29 @@ import torch
 import torch.distributed as dist
 
 import faults
+import timeline
 from faults import PeerGone, PeerTimeout
 
 ORDERINGS = ("batched", "ordered")
+ARTICLES = {"activation": "an activation", "gradient": "a gradient"}
 
 
 class PipelineComm:
-    def __init__(self, pgm, shape, dtype, device, timeline, ordering="batched", scatter_gather=False):
+    """This rank's link to its two neighbours in the ring of pipeline stages: the transfers queued and not yet
+    posted, the sends still in flight, the receive buffers to reuse and the count of what arrived this step
+    (for the timeout line). The schedules call its verbs; train.py makes one per rank and starts each step
+    with begin_step. It reaches the network only through dist.P2POp, batch_isend_irecv, isend and irecv, and
+    records its boxes on this process's timeline (timeline.span)."""
+
+    def __init__(self, pgm, shape, dtype, device, ordering="batched", scatter_gather=False):
         self.stage, self.num_stages = pgm.stage, pgm.pp
         self.prev_rank, self.next_rank = pgm.prev_rank, pgm.next_rank
-        self.shape, self.dtype, self.device, self.timeline = shape, dtype, device, timeline
+        self.shape, self.dtype, self.device = shape, dtype, device
         self.ordering = ordering
         self.received = Counter()  # activations and gradients received so far this step, for errors
         self.free = []  # receive buffers nobody needs any more
         self.sending = []  # (work, why) of sends still in flight; why() says who waits, should it time out
+        self.queued = []  # (P2POp, "activation" or "gradient") until the next commit
         self.tp, self.tp_rank, self.tp_group = pgm.tp, pgm.tp_rank, pgm.tp_group
         self.split = scatter_gather and pgm.tp > 1 and math.prod(shape) % pgm.tp == 0
         self.free_slices = []  # scatter-gather: buffers for the 1/tp slices on the wire
@@ -108,26 +123,52 @@ class PipelineComm:
         self.finish_sends()
         self.received.clear()
 
+    def queue_recv(self, peer: int, what: str):
+        """Queue the receive of an activation or a gradient from `peer`; returns the buffer it lands in
+        once the next commit has waited for it."""
+        buffer = self._wire_buffer()
+        self.queued.append((dist.P2POp(dist.irecv, buffer, peer), what))
+        return buffer
+
+    def queue_send(self, tensor, peer: int, what: str):
+        """Queue the send of an activation or a gradient to `peer` (posted at the next commit; the detached
+        tensor keeps its storage alive until the send is finished)."""
+        self.queued.append((dist.P2POp(dist.isend, tensor.detach(), peer), what))
+
+    def commit(self, wait=True):
+        """Post every queued transfer (DeepSeek's _commit_and_wait_comm) and wait for what it receives.
+        wait=False returns as soon as they are posted, with the function that waits for them: step 05
+        computes while they travel."""
+        queued, self.queued = self.queued, []
+        why = partial(self._timeout_message, queued)
+        works, posted = self._guarded(partial(self._post, queued), why) if queued else ([], [])
+        arrived = partial(self._arrive, queued, works, posted, why)
+        return arrived() if wait else arrived
+
     def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait=True):
         """Send and receive with both neighbours at once; return (from_prev, from_next).
 
         send_next: an output activation for the next rank; send_prev: an input gradient for the
         previous rank. recv_prev / recv_next: receive an activation / a gradient (else None).
         wait=False returns as soon as the transfers are posted, with the function that waits for them
-        and then returns (from_prev, from_next): step 05 computes while they travel.
+        and then returns (from_prev, from_next).
         """
         send_next, send_prev = self._outgoing(send_next), self._outgoing(send_prev)
-        from_prev = self._wire_buffer() if recv_prev else None
-        from_next = self._wire_buffer() if recv_next else None
         # Megatron's _p2p_ops order on an even rank: send next, receive previous, send previous, receive next
         # (its batched path, _batched_p2p_ops, lists send previous, receive previous, send next, receive next).
-        ops = [dist.P2POp(dist.isend, send_next.detach(), self.next_rank) if send_next is not None else None,
-               dist.P2POp(dist.irecv, from_prev, self.prev_rank) if recv_prev else None,
-               dist.P2POp(dist.isend, send_prev.detach(), self.prev_rank) if send_prev is not None else None,
-               dist.P2POp(dist.irecv, from_next, self.next_rank) if recv_next else None]
-        posted = self._guarded(partial(self._post, ops), partial(self._timeout_message, ops))
-        arrived = partial(self._arrive, ops, *posted, from_prev, from_next)
+        if send_next is not None:
+            self.queue_send(send_next, self.next_rank, "activation")
+        from_prev = self.queue_recv(self.prev_rank, "activation") if recv_prev else None
+        if send_prev is not None:
+            self.queue_send(send_prev, self.prev_rank, "gradient")
+        from_next = self.queue_recv(self.next_rank, "gradient") if recv_next else None
+        arrived = partial(self._take, self.commit(wait=False), from_prev, from_next)
         return arrived() if wait else arrived
+
+    def _take(self, arrived, from_prev, from_next):
+        """Wait for the committed transfers (arrived()); return what they received."""
+        arrived()
+        return self._gathered(from_prev), self._gathered(from_next)
 
     def _buffer(self):
         return self.free.pop() if self.free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -152,7 +193,7 @@ class PipelineComm:
             return received
         whole = self._buffer()
         piece_bytes = received.numel() * received.element_size()
-        with self.timeline.span("tp allgather", what="pipeline slices", bytes=piece_bytes):
+        with timeline.span("tp allgather", what="pipeline slices", bytes=piece_bytes):
             dist.all_gather(list(whole.view(-1).chunk(self.tp)), received, group=self.tp_group)
         self.free_slices.append(received)
         return whole
@@ -161,23 +202,24 @@ class PipelineComm:
         """Take back received tensors whose microbatch is done with them, to receive into again."""
         self.free += [t.detach() for t in received if t is not None]
 
-    def _post(self, ops):
-        """Start the operations (together, or one by one in parity order); returns (works, operations posted)."""
+    def _post(self, queued):
+        """Start the queued operations (together, or one by one in parity order); returns (works, operations
+        posted, in the order posted)."""
         if self.ordering == "batched":
-            posted = [op for op in ops if op is not None]
-            return (dist.batch_isend_irecv(posted) if posted else []), posted
-        # odd stages swap each pair: receive previous, send next, receive next, send previous
-        order = ops if self.stage % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]
-        posted = [op for op in order if op is not None]
+            posted = [op for op, _ in queued]
+            return dist.batch_isend_irecv(posted), posted
+        # activations, then gradients; within each, even stages send first and odd stages receive first
+        odd = self.stage % 2 == 1
+        in_order = sorted(queued, key=lambda q: (q[1] == "gradient", (q[0].op == dist.isend) == odd))
+        posted = [op for op, _ in in_order]
         return [op.op(op.tensor, op.peer) for op in posted], posted  # dist.isend / dist.irecv
 
-    def _arrive(self, ops, works, posted, from_prev, from_next):
-        """Wait for what the posted operations receive (one box on the timeline); returns it."""
+    def _arrive(self, queued, works, posted, why):
+        """Wait for what the posted operations receive (one box on the timeline)."""
         if posted:
-            with self._box(ops):
-                self._wait(works, posted, partial(self._timeout_message, ops))
-            self.received.update(what for what, op in zip(("activation", "gradient"), ops[1::2]) if op is not None)
-        return self._gathered(from_prev), self._gathered(from_next)
+            with self._box(queued):
+                self._wait(works, posted, why)
+            self.received.update(what for op, what in queued if op.op == dist.irecv)
 
     def _wait(self, works, posted, why):
         """Wait for the receives now. A send only has to be finished when the next exchange is waited
@@ -208,24 +250,26 @@ class PipelineComm:
                 raise PeerGone(why("was waiting for"), sorted({self.prev_rank, self.next_rank} - {None})) from err
             raise PeerTimeout(why()) from err
 
-    def _box(self, ops):
-        """The exchange's timeline box: send, recv or sendrecv, and what travelled. It is named only while
-        the timeline records: switched off, the box costs nothing."""
-        if not self.timeline.enabled:
+    def _box(self, queued):
+        """The committed transfers' timeline box: send, recv or sendrecv, and what travelled, in the order
+        queued. It is named only while the timeline records: switched off, the box costs nothing."""
+        if not timeline.recorder().enabled:
             return nullcontext()
-        names = ["send activation", "recv activation", "send gradient", "recv gradient"]
-        present = [name for name, op in zip(names, ops) if op is not None]
-        directions = {name.split()[0] for name in present}
-        sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops[0::2] if op is not None)
-        return self.timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(present),
+        names = [f"{'send' if op.op == dist.isend else 'recv'} {what}" for op, what in queued]
+        directions = {name.split()[0] for name in names}
+        sent = sum(op.tensor.numel() * op.tensor.element_size() for op, _ in queued if op.op == dist.isend)
+        return timeline.span(directions.pop() if len(directions) == 1 else "sendrecv", what=" + ".join(names),
                                   bytes=sent)
 
-    def _timeout_message(self, ops, verb="waited in vain for"):
-        """Who waited for what: the k-th activation or gradient of this step, from which rank."""
-        waits = [f"{what} {self.received[what]} of this step from rank {peer}" for what, peer, op in
-                 (("activation", self.prev_rank, ops[1]), ("gradient", self.next_rank, ops[3])) if op is not None]
-        waits += [f"rank {peer} to take {what}" for what, peer, op in
-                  (("an activation", self.next_rank, ops[0]), ("a gradient", self.prev_rank, ops[2])) if op is not None]
+    def _timeout_message(self, queued, verb="waited in vain for"):
+        """Who waited for what: the k-th activation or gradient of this step, from which rank; then who was
+        to take what this rank sent."""
+        count, waits = Counter(self.received), []
+        for op, what in queued:
+            if op.op == dist.irecv:
+                waits.append(f"{what} {count[what]} of this step from rank {op.peer}")
+                count[what] += 1
+        waits += [f"rank {op.peer} to take {ARTICLES[what]}" for op, what in queued if op.op == dist.isend]
         return f"rank {dist.get_rank()} (stage {self.stage}) {verb} {'; '.join(waits)}"
 
     def recv_forward(self):

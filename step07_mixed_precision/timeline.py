@@ -19,7 +19,8 @@ The bubble of a rank is the fraction of the step's pipeline window in which it
 did no compute: 1 - (forward + backward + recompute time) / window, where the window runs
 from the step's start to the end of the last compute event on any rank.
 
-A Timeline made with enabled=False records nothing and costs nothing.
+A Timeline made with enabled=False records nothing and costs nothing. The engine
+records into this process's Timeline (install, span) without being handed one.
 """
 import json
 import time
@@ -33,6 +34,11 @@ COMPUTE = ("forward", "backward", "recompute")
 
 
 class Timeline:
+    """One rank's record of what it did and when: a list of events, one per span. start_step and end_step
+    bracket an optimizer step; span(kind, microbatch, ...) records its body as one event. Each rank
+    (process) keeps one, made by train.py. Made with enabled=False, or switched off, it records nothing
+    and a span costs nothing."""
+
     def __init__(self, rank: int = 0, device=None, enabled: bool = True):
         self.rank, self.enabled = rank, enabled
         self.on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -75,6 +81,30 @@ class Timeline:
             event["end"] = self.origin_s + self.origin.elapsed_time(end) / 1e3
             self.events.append(event)
         self.pending.clear()
+
+
+# This process's recorder. Each rank is its own process, so one Timeline serves the whole rank, read where
+# events happen, as torch.profiler.record_function reads the profiler that is running: train.build installs
+# the run's, and the engine (stages, the communicator, the gradient reductions, TP's collectives) records
+# through span(). Until one is installed it is off: a span costs nothing. A test installs its own.
+_recorder = Timeline(enabled=False)
+
+
+def install(timeline: Timeline) -> Timeline:
+    """Make `timeline` this process's recorder; returns the one it replaces."""
+    global _recorder
+    previous, _recorder = _recorder, timeline
+    return previous
+
+
+def recorder() -> Timeline:
+    """This process's recorder."""
+    return _recorder
+
+
+def span(kind: str, microbatch=None, **info):
+    """Timeline.span on this process's recorder: the body as one event, or nothing while it is off."""
+    return _recorder.span(kind, microbatch, **info)
 
 
 def gather_events(timeline: Timeline):

@@ -5,7 +5,7 @@ DualPipe. p ranks (p even) hold the model twice: rank r holds stage r of the for
 stage p-1-r of the reverse direction. The first m/2 microbatches enter at rank 0 and flow down,
 the other m/2 enter at rank p-1 and flow up; rank p-1 computes the forward direction's loss, rank 0
 the reverse direction's. After the step the two copies of each stage, on ranks r and p-1-r, sum
-their gradients (sum_twin_gradients), so both take the same optimizer step and stay equal.
+their gradients (finalize_grads.sum_twin_gradients), so both take the same optimizer step and stay equal.
 
 DualPipeV ("cut in half"). p ranks hold 2p stages in a V: rank r holds stage r, going down, and
 stage 2p-1-r, coming back up. On the last rank the down stage's output is the up stage's input,
@@ -56,9 +56,6 @@ stages, training loop and report are theirs (stage_class, train_steps, peaks, re
 """
 from collections import deque
 from functools import partial
-
-import torch
-import torch.distributed as dist
 
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
 from weight_grad_store import WeightGradStore
@@ -333,7 +330,7 @@ def model_chunks(args, stage: int):
 
 def twin_copies(args) -> bool:
     """Whether every stage is held twice: DualPipe's rank r holds, second, the stage rank p-1-r holds first.
-    The two copies sum their gradients after each step (sum_twin_gradients)."""
+    The two copies sum their gradients after each step (finalize_grads.sum_twin_gradients)."""
     return args.schedule == "dualpipe"
 
 
@@ -359,17 +356,3 @@ def peak_stored_microbatches(args, stage: int):
     """(text, value): on every rank, DeepSeek's table's PP+1 (chunk, microbatch) pairs, PP the number of stages."""
     return "PP+1 (chunk, microbatch) pairs", model_chunks(args, stage)[1] + 1
 
-
-def sum_twin_gradients(named_grads: dict, group, timeline):
-    """DualPipe: all-reduce (sum) each stage's gradients between its two copies, on ranks r and p-1-r.
-
-    Each copy summed the gradients of one direction's microbatches; the sum is the whole batch's.
-    Both ranks hold the same parameter names, so sorted by name their flat buffers line up."""
-    grads = [g for _, g in sorted(named_grads.items())]
-    with timeline.span("allreduce", what="twin stage gradients"):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()

@@ -55,12 +55,18 @@ def grid_groups(tp: int, pp: int, dp: int, twins: bool = False) -> dict:
 
 
 class ProcessGroupManager:
+    """Where this rank sits in the grid and who its partners are: its coordinates (stage, dp_rank, and
+    tp_rank from step 06), its process groups (one per kind of partner: made collectively, every rank
+    creating every group in the same order) and its previous and next rank in the pipeline's ring.
+    train.build makes one per rank; everything else asks it these questions."""
+
     def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1, twins: bool = False):
         rank = dist.get_rank()
         self.pp, self.dp, self.tp = pp, dp, tp
         self.stage, self.dp_rank, self.tp_rank = grid_coordinates(rank, dp, tp)
         timeout = timedelta(seconds=timeout_s)
         self.embedding_group = None  # pp = 1: the one stage holds the tied embedding once
+        self.twin_group = None  # no DualPipe: each stage is held once
         # new_group is collective: every rank creates every group, in the same order.
         for kind, groups in grid_groups(tp, pp, dp, twins).items():
             for members in groups:

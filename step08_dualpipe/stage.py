@@ -31,7 +31,7 @@ WeightGradStore; backward_weights(mb) runs that W later (weight_grad_store.py).
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
-The timeline and the activation meter only watch: leave them out and the stage
+The timeline (timeline.span) and the activation meter only watch: off, the stage
 computes the same.
 """
 import torch
@@ -40,7 +40,7 @@ from torch.func import functional_call
 
 from memory import ActivationMeter
 from model import lm_loss
-from timeline import Timeline
+import timeline
 from weight_grad_store import WeightGradStore
 
 
@@ -63,11 +63,10 @@ class PipelineStage:
     whole or split into B and W, with recompute, deallocation of sent outputs and the seams of PipeDream's stage
     (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
-    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, timeline=None, meter=None,
+    def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, meter=None,
                  grad_scale_func=None):
         self.model, self.chunk, self.recompute, self.deallocate = model, chunk, recompute, deallocate
         self.is_first, self.is_last = model.first, model.last
-        self.timeline = timeline or Timeline(enabled=False)
         self.grad_scale_func = grad_scale_func or (lambda loss: loss)  # fp16: the optimizer's scale_loss
         self.meter = meter or ActivationMeter(enabled=False)
 
@@ -86,7 +85,7 @@ class PipelineStage:
     def forward(self, mb, x, target):
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
         weights = self.weights(mb)
-        with self.timeline.span("forward", mb, chunk=self.chunk):
+        with timeline.span("forward", mb, chunk=self.chunk):
             if self.recompute:
                 self.meter.keep(key, x)  # only the input is stored
                 with torch.no_grad():
@@ -101,7 +100,7 @@ class PipelineStage:
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
         weights = self.weights(mb)  # those the forward ran on
-        with self.timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
+        with timeline.span("recompute", mb, chunk=self.chunk), self.meter.saving((self.chunk, mb), weights), \
                 torch.enable_grad():
             x = x.detach().requires_grad_(not self.is_first)
             return x, self._run(x, target, weights)
@@ -119,7 +118,7 @@ class PipelineStage:
         and the microbatch keeps what they need (each Linear's input and output gradient) until then.
         """
         key = (self.chunk, mb)
-        with self.timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
+        with timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
             custom_backward(out, out_grad)
             self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
         self.meter.release(key)  # autograd has freed what the forward saved
@@ -130,7 +129,7 @@ class PipelineStage:
 
     def backward_weights(self, mb):
         """W of microbatch mb, which must be the oldest waiting in the WeightGradStore."""
-        with self.timeline.span("W", mb, chunk=self.chunk):
+        with timeline.span("W", mb, chunk=self.chunk):
             WeightGradStore.pop((self.chunk, mb))
         self.meter.release((self.chunk, mb))
 
@@ -142,7 +141,7 @@ class PipelineStage:
         and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
         hides its expert all-to-all this way; its modules define their own overlapped_forward_backward.
         """
-        with self.timeline.span("F&B", chunk=self.chunk):
+        with timeline.span("F&B", chunk=self.chunk):
             forward()
             backward()
 

@@ -29,16 +29,15 @@ from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
-from tied_embeddings import sum_embedding_grads
-from data_parallel import average_gradients
+from finalize_grads import average_gradients, finalize_model_grads
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
-from dualpipe import sum_twin_gradients, twin_copies
+from dualpipe import twin_copies
 from stage import VirtualStages
 from report import gather_peaks, report
-from timeline import Timeline
+from timeline import Timeline, install
 
 
 def parse_args(argv=None):
@@ -82,18 +81,19 @@ def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
     pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=twin_copies(args))
     timeline = Timeline(dist.get_rank(), device)
+    install(timeline)  # the engine records into this process's timeline
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
-    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp, timeline)).to(device, dtype)
+    model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp)).to(device, dtype)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
     meter = ActivationMeter(model)
     # PipeDream: each update's dp average (fp32: its stages step alone, config.py)
-    before_update = lambda: average_gradients([p.grad for p in model.parameters()], pgm, timeline)
+    before_update = lambda: average_gradients([p.grad for p in model.parameters()], pgm)
     stage = family(args).stage_class(args, model, before_update)  # PipeDream's keeps weight versions
-    stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate, timeline=timeline,
+    stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
                     meter=meter, grad_scale_func=optimizer.scale_loss) for c, chunk in enumerate(model)]
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
-    comm = PipelineComm(pgm, shape, dtype, device, timeline, args.p2p, args.scatter_gather)  # pipeline_dtype
+    comm = PipelineComm(pgm, shape, dtype, device, args.p2p, args.scatter_gather)  # pipeline_dtype
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)
 
 
@@ -127,14 +127,9 @@ def compute_gradients(run, step: int) -> float:
     run.comm.begin_step()
     loss = family(run.args).schedule_of(run.args)(run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
-    if run.args.schedule == "dualpipe":  # each stage's two copies saw one direction each
-        names = [name for name, _ in run.model.named_parameters()]
-        sum_twin_gradients(dict(zip(names, run.optimizer.main_grads())), run.pgm.twin_group, run.timeline)
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.
-    average_gradients(run.optimizer.main_grads(), run.pgm, run.timeline)
-    if run.args.tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
-        sum_embedding_grads(run.model, run.pgm, run.timeline)
+    finalize_model_grads(run.model, run.optimizer.main_grads(), run.pgm, run.args.tie_embeddings)
     return share_loss(run, loss)
 
 

@@ -334,7 +334,7 @@ class Step:
         dist.rank, dist.log = rank, log
         pgm = self.groups.ProcessGroupManager(pp, 1, timeout_s=1)
         kwargs = {} if ordering is None else {"ordering": ordering}
-        comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", self.timeline.Timeline(enabled=False), **kwargs)
+        comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", **kwargs)  # its timeline: the process's, off
         chunks, n_chunks = self.layout(name, pp, m, virtual, rank)
         stages = [FakeStage(log, dist, c, g, n_chunks, m, self.store) for c, g in enumerate(chunks)]
         if self.store:

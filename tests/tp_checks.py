@@ -202,10 +202,11 @@ def scatter():
         got, wire = {}, {}
         for sg in (False, True, "wrong slice"):
             trace = timeline.Timeline(dist.get_rank())
-            comm = p2p.PipelineComm(pgm, shape, torch.float32, "cpu", trace, scatter_gather=bool(sg))
+            timeline.install(trace)  # this rank's own recorder: the bytes each send put on the wire
+            comm = p2p.PipelineComm(pgm, shape, torch.float32, "cpu", scatter_gather=bool(sg))
             if sg == "wrong slice":
                 comm.tp_rank = 0  # control: both TP ranks send the first slice
-            if pgm.is_first:
+            if pgm.stage == 0:
                 comm.send_forward(sent["act"])
                 got[sg] = comm.recv_backward()
             else:
@@ -213,7 +214,7 @@ def scatter():
                 comm.send_backward(sent["grad"])
             comm.finish_sends()
             wire[sg] = sum(e["bytes"] for e in trace.events if e["kind"] == "send")
-        expected = sent["grad" if pgm.is_first else "act"]
+        expected = sent["grad" if pgm.stage == 0 else "act"]
         found[str(shape)] = dict(full=torch.equal(got[False], expected), sg=torch.equal(got[True], expected),
                                  control=torch.equal(got["wrong slice"], expected),
                                  bytes_full=wire[False], bytes_sg=wire[True], split=comm.split)

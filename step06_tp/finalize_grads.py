@@ -1,0 +1,68 @@
+"""After the schedule, before the optimizer step: every gradient made the one the optimizer must apply.
+
+Megatron-LM does this in one function, finalize_model_grads
+(megatron/core/distributed/finalize_model_grads.py), which train.compute_gradients
+calls once per optimizer step, after the schedule has run every backward and
+sent every gradient. Every reduction here is one all-reduce of one flat buffer
+(all_reduce_flat): one message, not one per tensor.
+
+Data parallelism across pipelines: average each stage's gradients over its
+replicas. Each data-parallel replica of a stage saw a different shard of the
+global batch. Averaging their gradients gives the gradient of the mean loss
+over the whole global batch (all shards are the same size). Gradients
+accumulate locally over the microbatches first, so one all-reduce moves them
+all, instead of one per microbatch.
+
+Tied embeddings across the pipeline: one matrix, two stages (Megatron-LM's
+embedding group). With tied embeddings the LM head multiplies by the embedding
+matrix. On one stage the two uses share one parameter, and autograd sums their
+gradients. With pp > 1 the embedding lives on the first stage and the head on
+the last, so each of them holds a copy (model.Transformer makes the last
+stage's copy equal to the first's). Summing the two copies' gradients over the
+embedding group, the first and last stage of each pipeline at the same
+(dp_rank, tp_rank), gives each copy the gradient of the shared matrix; both
+then take the same optimizer step and stay equal. Under tensor parallelism
+both copies are the same vocabulary rows, so shard meets shard.
+"""
+import torch
+import torch.distributed as dist
+
+import timeline
+
+
+def all_reduce_flat(grads, group, what=None, divide_by=1):
+    """Sum `grads` over `group` as one flat buffer (one timeline box), divide by `divide_by`, and give each
+    gradient its part back."""
+    with timeline.span("allreduce", what=what):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if divide_by != 1:
+            flat /= divide_by
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def average_gradients(model, pgm):
+    """All-reduce this stage's gradients over its data-parallel group and divide by its size."""
+    if pgm.dp == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    all_reduce_flat(grads, pgm.dp_group, divide_by=pgm.dp)
+
+
+def sum_embedding_grads(model, pgm):
+    """All-reduce the tied embedding's gradient between the first and the last stage
+    (call it only with tied embeddings: untied, the first stage's embedding has no partner)."""
+    weight = dict(model.named_parameters()).get("embed.weight")
+    if pgm.embedding_group is None or weight is None:
+        return  # pp = 1 (autograd summed the two uses already), or a middle stage
+    all_reduce_flat([weight.grad], pgm.embedding_group, what="tied embedding gradient")
+
+
+def finalize_model_grads(model, pgm, tie_embeddings=False):
+    """Every reduction the gradients need once the schedule is done (called once per optimizer step)."""
+    average_gradients(model, pgm)
+    if tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
+        sum_embedding_grads(model, pgm)
