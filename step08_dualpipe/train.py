@@ -11,6 +11,26 @@ dualpipev (dualpipe.py, DeepSeek-V3) send microbatches through the pipeline in t
 directions and pair a forward of one with a backward of the other (--pairs
 sequential, on a CPU: the pair's forward sends before its backward runs). The
 other schedules run each backward whole, as in step 07.
+
+Opening the course here? This folder is the whole course in one program. New in this
+step: read weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
+
+  what one chunk computes     model.py (a chunk of the Transformer, parameters named as in
+                              the whole model), tensor_parallel.py (its layers split over TP
+                              ranks), weight_grad_store.py (the Linear whose backward splits)
+  who is whom, how tensors    process_groups.py (the pp x dp x tp grid, DualPipe's twins),
+  move                        p2p.py (transfers queued and committed; Megatron's verbs)
+  one stage                   stage.py (forward, backward, B and W of one microbatch)
+  what a rank keeps, and the  schedule.py (the Stash; AFAB, 1F1B, interleaved, ZB-H1; their
+  schedules                   formulas)
+  DualPipe                    dualpipe.py (DualPipe and DualPipeV: a schedule family of its own)
+  after the schedule          finalize_grads.py (data-parallel average, tied-embedding and twin
+                              sums), mixed_precision.py and loss_scaler.py (the optimizer step)
+  flags and build             config.py (flags and their rules; which family runs a schedule),
+                              budget.py, data.py, distributed.py, faults.py, checkpoint.py,
+                              and this file: build, one step, the training loop
+  what is measured            timeline.py, memory.py, report.py, plots.py
+  the side road               pipedream.py (PipeDream: 1F1B with no flush, step 04)
 """
 import json
 import math

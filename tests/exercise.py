@@ -4,6 +4,7 @@
     python tests/exercise.py start 04.1f1b                 copy step 04 to my_exercises/04.1f1b/, the function stubbed
     python tests/exercise.py check 04.1f1b                 its checks, fastest first, stopping at the first failure
     python tests/exercise.py check 04.1f1b --step-dir my_1f1b    a copy made by hand (README's recipe)
+    python tests/exercise.py mistake 04.1f1b               what a typical wrong answer prints (the notebooks show it)
 
 A check runs the course's own tests on the copy: the replay of the schedules without a model (seconds), one
 small run against the single device, then the step's own tests of that function. The solution is the step's
@@ -53,6 +54,15 @@ def stub_source(source, qualname, message):
     lines = source.splitlines(keepends=True)
     stub = f"{indent}raise NotImplementedError({message!r})  # your code here\n"
     return "".join(lines[:first - 1] + [stub] + lines[node.end_lineno:])
+
+
+def wrong_answer(exercise, wrong, source):
+    """source with one of the catalogue's wrong answers made; each old text must be in it exactly once."""
+    _, file, olds, news, _ = wrong
+    for old, new in zip(*((olds, news) if isinstance(olds, tuple) else ((olds,), (news,)))):
+        assert source.count(old) == 1, f"{exercise['id']}: the wrong answer's text is not once in {file}: {old!r}"
+        source = source.replace(old, new)
+    return source
 
 
 def stub_message(exercise):
@@ -217,10 +227,28 @@ def command_start(exercise, force=False):
     return 0
 
 
+def command_mistake(exercise, which=0):
+    """Check a copy of the step with the catalogue's typical wrong answer number `which` made, then delete it:
+    what a learner who makes that mistake reads."""
+    if not 0 <= which < len(exercise["wrong"]):
+        raise Refused(f"exercise {exercise['id']} has wrong answers 0 to {len(exercise['wrong']) - 1}, not {which}")
+    what, file = exercise["wrong"][which][:2]
+    folder = COPIES / ".mistakes" / exercise["id"]
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (COPIES / ".gitignore").write_text("*\n")
+    (folder / file).write_text(wrong_answer(exercise, exercise["wrong"][which], (folder / file).read_text()))
+    print(f"# {exercise['id']} with a typical mistake in {file}: {what}")
+    try:
+        return check(exercise, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv):
     sys.path.insert(0, str(TESTS))
-    usage = "usage: python tests/exercise.py list | start ID [--force] | check ID [--step-dir PATH]"
-    if not argv or argv[0] not in ("list", "start", "check") or (argv[0] != "list" and len(argv) < 2):
+    usage = "usage: python tests/exercise.py list | start ID [--force] | check ID [--step-dir PATH] | mistake ID [N]"
+    if not argv or argv[0] not in ("list", "start", "check", "mistake") or (argv[0] != "list" and len(argv) < 2):
         print(usage)
         return 2
     try:
@@ -229,6 +257,8 @@ def main(argv):
         exercise = exercise_of(argv[1])
         if argv[0] == "start":
             return command_start(exercise, force="--force" in argv)
+        if argv[0] == "mistake":
+            return command_mistake(exercise, int(argv[2]) if len(argv) > 2 and argv[2].isdigit() else 0)
         step_dir = argv[argv.index("--step-dir") + 1] if "--step-dir" in argv[:-1] else None
         return check(exercise, copy_for(exercise, step_dir))
     except Refused as refusal:

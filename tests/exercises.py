@@ -150,7 +150,7 @@ EXERCISES = [
              "the newest microbatch, then backward the oldest, using the combined verbs "
              "send_forward_recv_backward and send_backward_recv_forward (the neighbour is sending to you at "
              "that moment: posted apart, the two sends can deadlock). Cool-down: the remaining backwards. "
-             "stash may come in from PipeDream: use it if given.",
+             "PipeDream (pipedream.py) runs its whole run through this same function.",
         checks=[("replay", ["1f1b"]),
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--p2p", "ordered"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],

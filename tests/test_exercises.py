@@ -41,17 +41,8 @@ def prepared(entry, folder: Path, stub=False, wrong=None) -> Path:
     if stub:
         exercise.stub_copy(entry, folder)
     if wrong:
-        (folder / wrong[1]).write_text(wrong_answer(entry, wrong, (folder / wrong[1]).read_text()))
+        (folder / wrong[1]).write_text(exercise.wrong_answer(entry, wrong, (folder / wrong[1]).read_text()))
     return folder
-
-
-def wrong_answer(entry, wrong, source):
-    """source with the wrong answer's edits made; each old text must be in it exactly once."""
-    _, file, olds, news, _ = wrong
-    for old, new in zip(*((olds, news) if isinstance(olds, tuple) else ((olds,), (news,)))):
-        assert source.count(old) == 1, f"{entry['id']}: the wrong answer's text is not once in {file}: {old!r}"
-        source = source.replace(old, new)
-    return source
 
 
 def first_failure(entry, folder: Path):
@@ -96,7 +87,7 @@ def test_catalogue_covers_every_step_and_names_real_code():
             assert ast.get_docstring(node) == ast.get_docstring(original)
             assert ast.dump(node.args) == ast.dump(original.args)
         for wrong in entry["wrong"]:
-            wrong_answer(entry, wrong, (REPO / entry["step"] / wrong[1]).read_text())
+            exercise.wrong_answer(entry, wrong, (REPO / entry["step"] / wrong[1]).read_text())
 
 
 def run_cli(*argv):
