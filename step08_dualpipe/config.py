@@ -73,9 +73,7 @@ def build_parser(description=None):
                        help="free each output's storage once it is sent, keeping its autograd graph "
                        "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
     pipedream.add_flags(group)
-    group.add_argument("--pairs", default="overlapped",
-                       help="overlapped | sequential: dualpipe and dualpipev run a pair (F of one microbatch, B of "
-                       "another) as one unit, as DeepSeek does, or as F then B, each with its own transfers (CPU only)")
+    dualpipe.add_flags(group)
     group = p.add_argument_group("parallelism", "data and tensor parallelism beside the pipeline")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
@@ -204,41 +202,6 @@ def check_zb1p(args):
                           "use --p2p batched")
 
 
-def check_two_way(args):
-    """DualPipe needs two equal halves of ranks and of microbatches; both need every rank's V full."""
-    name = f"--schedule {args.schedule}"
-    if args.schedule == "dualpipe" and args.pp % 2:
-        raise ConfigError(f"--pp {args.pp} must be even for {name}: rank r and rank pp-1-r hold the two "
-                          "directions' copies of a stage")
-    if args.schedule == "dualpipe" and args.microbatches % 2:
-        raise ConfigError(f"--microbatches {args.microbatches} must be even for {name}: half of them enter "
-                          "at each end")
-    if args.microbatches < 2 * args.pp:
-        raise ConfigError(f"--microbatches {args.microbatches} must be at least 2 x --pp {args.pp} = "
-                          f"{2 * args.pp} for {name}: its steady state needs every rank's V full")
-    if args.p2p != "batched":
-        raise ConfigError(f"--p2p {args.p2p} does not fit {name}: it commits its queued transfers in one "
-                          "batch_isend_irecv; use --p2p batched")
-    if args.scatter_gather:
-        raise ConfigError(f"--scatter-gather does not fit {name}: its transfers carry whole tensors")
-    if args.tie_embeddings:
-        raise ConfigError(f"--tie-embeddings does not fit {name}: the embedding's and the head's copies "
-                          "are not summed in its stage layout (not supported)")
-
-
-def check_pairs(args, cuda_available: bool):
-    """--pairs sequential is DualPipe's, and a CPU's: on in-order streams (NCCL) its batches deadlock."""
-    if args.pairs not in ("overlapped", "sequential"):
-        raise ConfigError(f"--pairs {args.pairs} is unknown: use overlapped or sequential")
-    if args.pairs == "sequential" and args.schedule not in TWO_WAY:
-        raise ConfigError(f"--pairs sequential does not fit --schedule {args.schedule}: only dualpipe and "
-                          "dualpipev run forward-backward pairs")
-    if args.pairs == "sequential" and (args.device == "cuda" or args.device == "auto" and cuda_available):
-        raise ConfigError(f"--pairs sequential needs --device cpu (here --device {args.device} gives CUDA): "
-                          "a GPU overlaps a pair's two passes, and on NCCL's in-order streams the sequential "
-                          "pairs' batches deadlock (tests/replay.py); use --pairs overlapped")
-
-
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
     if args.schedule not in (*SCHEDULES, *TWO_WAY, *PIPEDREAM):
@@ -251,8 +214,6 @@ def check_schedule(args):
                           "interleaved needs at least 2 virtual stages, the other schedules exactly 1")
     if args.schedule == "zb1p":
         check_zb1p(args)
-    if args.schedule in TWO_WAY:
-        check_two_way(args)
     if not interleaved:
         return
     if args.pp < 2:
@@ -384,12 +345,12 @@ def check_config(args, world_size: int, cuda_available: bool):
                           f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
                           "replica holds the same number of sequences")
     check_schedule(args)
-    try:  # PipeDream's own flags and rules (pipedream.py)
+    try:  # PipeDream's and DualPipe's own flags and rules (pipedream.py, dualpipe.py)
         pipedream.check_flags(args)
+        dualpipe.check_flags(args, cuda_available)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_device(args.device, cuda_available)
-    check_pairs(args, cuda_available)
     check_model(args)
     check_tensor_parallel(args)
     check_precision(args)
