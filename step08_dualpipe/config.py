@@ -168,12 +168,10 @@ def check_model(args):
         raise ConfigError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if (args.hidden // args.heads) % 2:
         raise ConfigError(f"--hidden {args.hidden} / --heads {args.heads} must be even for rotary embedding")
-    _, chunks = model_chunks(args, 0)
+    chunks = args.pp * args.virtual_stages
     if chunks > args.layers:
-        cut = f"--schedule {args.schedule} with --pp {args.pp}" if args.schedule in TWO_WAY else \
-            f"--pp {args.pp} x --virtual-stages {args.virtual_stages}"
-        raise ConfigError(f"{cut} = {chunks} model chunks cannot share --layers {args.layers}: "
-                          "each chunk needs a layer")
+        raise ConfigError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {chunks} model chunks "
+                          f"cannot share --layers {args.layers}: each chunk needs a layer")
     if args.schedule in PIPEDREAM and args.tie_embeddings and args.pp > 1:
         raise ConfigError(f"--tie-embeddings with --pp {args.pp} does not fit --schedule {args.schedule}: the first "
                           "and last stage would have to sum their copies' gradients at every update, but "

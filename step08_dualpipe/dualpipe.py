@@ -366,7 +366,8 @@ def add_flags(group):
 
 
 def check_shape(args):
-    """DualPipe needs two equal halves of ranks and of microbatches; both need every rank's V full."""
+    """DualPipe needs two equal halves of ranks and of microbatches, both every rank's V full, and a layer
+    in each of its model chunks."""
     name = f"--schedule {args.schedule}"
     if args.schedule == "dualpipe" and args.pp % 2:
         raise ValueError(f"--pp {args.pp} must be even for {name}: rank r and rank pp-1-r hold the two "
@@ -377,6 +378,10 @@ def check_shape(args):
     if args.microbatches < 2 * args.pp:
         raise ValueError(f"--microbatches {args.microbatches} must be at least 2 x --pp {args.pp} = "
                          f"{2 * args.pp} for {name}: its steady state needs every rank's V full")
+    _, chunks = model_chunks(args, 0)
+    if chunks > args.layers:
+        raise ValueError(f"{name} with --pp {args.pp} = {chunks} model chunks cannot share --layers {args.layers}: "
+                         "each chunk needs a layer")
     if args.p2p != "batched":
         raise ValueError(f"--p2p {args.p2p} does not fit {name}: it commits its queued transfers in one "
                          "batch_isend_irecv; use --p2p batched")
