@@ -35,6 +35,8 @@ is, over PipeDreamStages, which override two seams of stage.PipelineStage (weigh
 backward_done). As every schedule family (config.family), this module exposes
 SCHEDULES, bubble_formula, peak_stored_microbatches, stage_class, train_steps,
 peaks and report_lines; train.py and report.py ask it, not the schedule's name.
+Its flags and their rules are its own as well (add_flags, check_flags), which config.py
+calls, as it calls checkpoint.py's.
 """
 import time
 from functools import partial
@@ -269,3 +271,36 @@ def report_lines(args, record, name, stage_of):
         lines.append(f"  rank {rank} ({name(rank)}): {count} (formula {expected}), "
                      f"{count - 1} stashed x {size / 2**20:.2f} MiB = {(count - 1) * size / 2**20:.2f} MiB")
     return lines
+
+
+def add_flags(group):
+    """PipeDream's flags, in the pipeline group of train.py's --help (config.py)."""
+    group.add_argument("--vertical-sync", action="store_true",
+                       help="pipedream: every stage runs a microbatch on the weight version stage 0 used")
+    group.add_argument("--no-weight-stashing", action="store_true",
+                       help="pipedream: backwards read the live weights, changed since their forward (a foil)")
+
+
+def check_flags(args):
+    """PipeDream's flags, and runs long enough for the version counts its report states: refused
+    before any work with a ValueError of one line (config.py)."""
+    for flag, on in (("--vertical-sync", args.vertical_sync), ("--no-weight-stashing", args.no_weight_stashing)):
+        if on and args.schedule != "pipedream":
+            raise ValueError(f"{flag} needs --schedule pipedream, not {args.schedule}")
+    if args.vertical_sync and args.no_weight_stashing:
+        raise ValueError("--vertical-sync runs microbatches on versions older than the live weights, which "
+                         "only weight stashing keeps: drop --no-weight-stashing")
+    if args.schedule in SCHEDULES and (args.save or args.resume):
+        raise ValueError(f"--{'save' if args.save else 'resume'} does not fit --schedule {args.schedule}: its "
+                         "stages update at different times, weight versions in flight, so the run has no step "
+                         "boundary to save or resume at")
+    n, least = args.steps * args.microbatches, 2 * (args.pp - 1)
+    if args.schedule == "pipedream" and n < least:
+        raise ValueError(f"--steps {args.steps} x --microbatches {args.microbatches} = {n} must be at least "
+                         f"2 x (--pp {args.pp} - 1) = {least} for pipedream: in a shorter run stage 0 never "
+                         "reaches the steady state whose versions it reports")
+    if args.schedule == "pipedream-2bw" and args.microbatches < args.pp - 1:
+        raise ValueError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} - 1 for "
+                         "pipedream-2bw: stage 0 makes W(t+1) after the last backward of batch t, which follows "
+                         "its forward p-2 microbatches into batch t+1; batch t+2 runs on W(t+1), so it must "
+                         "start after that")

@@ -66,10 +66,7 @@ def build_parser(description=None):
     group.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
     group.add_argument("--deallocate", action="store_true",
                        help="free each output's storage once it is sent, keeping its autograd graph")
-    group.add_argument("--vertical-sync", action="store_true",
-                       help="pipedream: every stage runs a microbatch on the weight version stage 0 used")
-    group.add_argument("--no-weight-stashing", action="store_true",
-                       help="pipedream: backwards read the live weights, changed since their forward (a foil)")
+    pipedream.add_flags(group)
     group = p.add_argument_group("parallelism", "data and tensor parallelism beside the pipeline")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     group = p.add_argument_group("model", "the transformer's size")
@@ -170,30 +167,6 @@ def check_schedule(args):
                           "for the interleaved schedule")
 
 
-def check_pipedream(args):
-    """PipeDream's flags, and runs long enough for the version counts its report states."""
-    for flag, on in (("--vertical-sync", args.vertical_sync), ("--no-weight-stashing", args.no_weight_stashing)):
-        if on and args.schedule != "pipedream":
-            raise ConfigError(f"{flag} needs --schedule pipedream, not {args.schedule}")
-    if args.vertical_sync and args.no_weight_stashing:
-        raise ConfigError("--vertical-sync runs microbatches on versions older than the live weights, which "
-                          "only weight stashing keeps: drop --no-weight-stashing")
-    if args.schedule in PIPEDREAM and (args.save or args.resume):
-        raise ConfigError(f"--{'save' if args.save else 'resume'} does not fit --schedule {args.schedule}: its "
-                          "stages update at different times, weight versions in flight, so the run has no step "
-                          "boundary to save or resume at")
-    n, least = args.steps * args.microbatches, 2 * (args.pp - 1)
-    if args.schedule == "pipedream" and n < least:
-        raise ConfigError(f"--steps {args.steps} x --microbatches {args.microbatches} = {n} must be at least "
-                          f"2 x (--pp {args.pp} - 1) = {least} for pipedream: in a shorter run stage 0 never "
-                          "reaches the steady state whose versions it reports")
-    if args.schedule == "pipedream-2bw" and args.microbatches < args.pp - 1:
-        raise ConfigError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} - 1 for "
-                          "pipedream-2bw: stage 0 makes W(t+1) after the last backward of batch t, which follows "
-                          "its forward p-2 microbatches into batch t+1; batch t+2 runs on W(t+1), so it must "
-                          "start after that")
-
-
 def check_files(args):
     """The data must exist and outs must have somewhere to go, before the run rather than after it."""
     if args.data and not os.path.isfile(args.data):
@@ -282,7 +255,10 @@ def check_config(args, world_size: int, cuda_available: bool):
                           f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
                           "replica holds the same number of sequences")
     check_schedule(args)
-    check_pipedream(args)
+    try:  # PipeDream's own flags and rules (pipedream.py)
+        pipedream.check_flags(args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check_device(args.device, cuda_available)
     check_model(args)
     check_files(args)

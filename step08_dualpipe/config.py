@@ -72,13 +72,8 @@ def build_parser(description=None):
     group.add_argument("--deallocate", action="store_true",
                        help="free each output's storage once it is sent, keeping its autograd graph "
                        "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
-    group.add_argument("--vertical-sync", action="store_true",
-                       help="pipedream: every stage runs a microbatch on the weight version stage 0 used")
-    group.add_argument("--no-weight-stashing", action="store_true",
-                       help="pipedream: backwards read the live weights, changed since their forward (a foil)")
-    group.add_argument("--pairs", default="overlapped",
-                       help="overlapped | sequential: dualpipe and dualpipev run a pair (F of one microbatch, B of "
-                       "another) as one unit, as DeepSeek does, or as F then B, each with its own transfers (CPU only)")
+    pipedream.add_flags(group)
+    dualpipe.add_flags(group)
     group = p.add_argument_group("parallelism", "data and tensor parallelism beside the pipeline")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
@@ -173,12 +168,14 @@ def check_model(args):
         raise ConfigError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if (args.hidden // args.heads) % 2:
         raise ConfigError(f"--hidden {args.hidden} / --heads {args.heads} must be even for rotary embedding")
-    _, chunks = model_chunks(args, 0)
+    chunks = args.pp * args.virtual_stages
     if chunks > args.layers:
-        cut = f"--schedule {args.schedule} with --pp {args.pp}" if args.schedule in TWO_WAY else \
-            f"--pp {args.pp} x --virtual-stages {args.virtual_stages}"
-        raise ConfigError(f"{cut} = {chunks} model chunks cannot share --layers {args.layers}: "
-                          "each chunk needs a layer")
+        raise ConfigError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {chunks} model chunks "
+                          f"cannot share --layers {args.layers}: each chunk needs a layer")
+    if args.schedule in PIPEDREAM and args.tie_embeddings and args.pp > 1:
+        raise ConfigError(f"--tie-embeddings with --pp {args.pp} does not fit --schedule {args.schedule}: the first "
+                          "and last stage would have to sum their copies' gradients at every update, but "
+                          "PipeDream's stages update at different times, each on versions of its own")
 
 
 def check_tensor_parallel(args):
@@ -203,41 +200,6 @@ def check_zb1p(args):
                           "use --p2p batched")
 
 
-def check_two_way(args):
-    """DualPipe needs two equal halves of ranks and of microbatches; both need every rank's V full."""
-    name = f"--schedule {args.schedule}"
-    if args.schedule == "dualpipe" and args.pp % 2:
-        raise ConfigError(f"--pp {args.pp} must be even for {name}: rank r and rank pp-1-r hold the two "
-                          "directions' copies of a stage")
-    if args.schedule == "dualpipe" and args.microbatches % 2:
-        raise ConfigError(f"--microbatches {args.microbatches} must be even for {name}: half of them enter "
-                          "at each end")
-    if args.microbatches < 2 * args.pp:
-        raise ConfigError(f"--microbatches {args.microbatches} must be at least 2 x --pp {args.pp} = "
-                          f"{2 * args.pp} for {name}: its steady state needs every rank's V full")
-    if args.p2p != "batched":
-        raise ConfigError(f"--p2p {args.p2p} does not fit {name}: it commits its queued transfers in one "
-                          "batch_isend_irecv; use --p2p batched")
-    if args.scatter_gather:
-        raise ConfigError(f"--scatter-gather does not fit {name}: its transfers carry whole tensors")
-    if args.tie_embeddings:
-        raise ConfigError(f"--tie-embeddings does not fit {name}: the embedding's and the head's copies "
-                          "are not summed in its stage layout (not supported)")
-
-
-def check_pairs(args, cuda_available: bool):
-    """--pairs sequential is DualPipe's, and a CPU's: on in-order streams (NCCL) its batches deadlock."""
-    if args.pairs not in ("overlapped", "sequential"):
-        raise ConfigError(f"--pairs {args.pairs} is unknown: use overlapped or sequential")
-    if args.pairs == "sequential" and args.schedule not in TWO_WAY:
-        raise ConfigError(f"--pairs sequential does not fit --schedule {args.schedule}: only dualpipe and "
-                          "dualpipev run forward-backward pairs")
-    if args.pairs == "sequential" and (args.device == "cuda" or args.device == "auto" and cuda_available):
-        raise ConfigError(f"--pairs sequential needs --device cpu (here --device {args.device} gives CUDA): "
-                          "a GPU overlaps a pair's two passes, and on NCCL's in-order streams the sequential "
-                          "pairs' batches deadlock (tests/replay.py); use --pairs overlapped")
-
-
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
     if args.schedule not in (*SCHEDULES, *TWO_WAY, *PIPEDREAM):
@@ -250,8 +212,6 @@ def check_schedule(args):
                           "interleaved needs at least 2 virtual stages, the other schedules exactly 1")
     if args.schedule == "zb1p":
         check_zb1p(args)
-    if args.schedule in TWO_WAY:
-        check_two_way(args)
     if not interleaved:
         return
     if args.pp < 2:
@@ -278,34 +238,6 @@ def check_precision(args):
                           "must be at least 1")
     if not 0 <= args.clip_grad < math.inf:
         raise ConfigError(f"--clip-grad {args.clip_grad} must be 0 (off) or a positive global norm")
-
-
-def check_pipedream(args):
-    """PipeDream's flags, and runs long enough for the version counts its report states."""
-    for flag, on in (("--vertical-sync", args.vertical_sync), ("--no-weight-stashing", args.no_weight_stashing)):
-        if on and args.schedule != "pipedream":
-            raise ConfigError(f"{flag} needs --schedule pipedream, not {args.schedule}")
-    if args.vertical_sync and args.no_weight_stashing:
-        raise ConfigError("--vertical-sync runs microbatches on versions older than the live weights, which "
-                          "only weight stashing keeps: drop --no-weight-stashing")
-    if args.schedule in PIPEDREAM and (args.save or args.resume):
-        raise ConfigError(f"--{'save' if args.save else 'resume'} does not fit --schedule {args.schedule}: its "
-                          "stages update at different times, weight versions in flight, so the run has no step "
-                          "boundary to save or resume at")
-    n, least = args.steps * args.microbatches, 2 * (args.pp - 1)
-    if args.schedule == "pipedream" and n < least:
-        raise ConfigError(f"--steps {args.steps} x --microbatches {args.microbatches} = {n} must be at least "
-                          f"2 x (--pp {args.pp} - 1) = {least} for pipedream: in a shorter run stage 0 never "
-                          "reaches the steady state whose versions it reports")
-    if args.schedule == "pipedream-2bw" and args.microbatches < args.pp - 1:
-        raise ConfigError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} - 1 for "
-                          "pipedream-2bw: stage 0 makes W(t+1) after the last backward of batch t, which follows "
-                          "its forward p-2 microbatches into batch t+1; batch t+2 runs on W(t+1), so it must "
-                          "start after that")
-    if args.schedule in PIPEDREAM and args.tie_embeddings and args.pp > 1:
-        raise ConfigError(f"--tie-embeddings with --pp {args.pp} does not fit --schedule {args.schedule}: the first "
-                          "and last stage would have to sum their copies' gradients at every update, but "
-                          "PipeDream's stages update at different times, each on versions of its own")
     if args.schedule in PIPEDREAM and (args.precision != "fp32" or args.clip_grad):
         flag = f"--precision {args.precision}" if args.precision != "fp32" else f"--clip-grad {args.clip_grad}"
         raise ConfigError(f"{flag} does not fit --schedule {args.schedule}: the half types' shared overflow "
@@ -411,9 +343,12 @@ def check_config(args, world_size: int, cuda_available: bool):
                           f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
                           "replica holds the same number of sequences")
     check_schedule(args)
-    check_pipedream(args)
+    try:  # PipeDream's and DualPipe's own flags and rules (pipedream.py, dualpipe.py)
+        pipedream.check_flags(args)
+        dualpipe.check_flags(args, cuda_available)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check_device(args.device, cuda_available)
-    check_pairs(args, cuda_available)
     check_model(args)
     check_tensor_parallel(args)
     check_precision(args)

@@ -52,7 +52,8 @@ streams (the replay's model of NCCL, tests/replay.py) its batches deadlock, so i
 This module is a schedule family, as schedule.py and pipedream.py are (config.family): SCHEDULES,
 schedule_of, bubble_formula and peak_stored_microbatches, and where the model's chunks go (model_chunks,
 twin_copies). Each rank runs on schedule.py's Stash, and DualPipe flushes as schedule.py's schedules do: its
-stages, training loop and report are theirs (stage_class, train_steps, peaks, report_lines).
+stages, training loop and report are theirs (stage_class, train_steps, peaks, report_lines). Its flag
+and rules are its own (add_flags, check_flags), which config.py calls.
 """
 from collections import deque
 from functools import partial
@@ -356,3 +357,52 @@ def peak_stored_microbatches(args, stage: int):
     """(text, value): on every rank, DeepSeek's table's PP+1 (chunk, microbatch) pairs, PP the number of stages."""
     return "PP+1 (chunk, microbatch) pairs", model_chunks(args, stage)[1] + 1
 
+
+def add_flags(group):
+    """DualPipe's flag, in the pipeline group of train.py's --help (config.py)."""
+    group.add_argument("--pairs", default="overlapped",
+                       help="overlapped | sequential: dualpipe and dualpipev run a pair (F of one microbatch, B of "
+                       "another) as one unit, as DeepSeek does, or as F then B, each with its own transfers (CPU only)")
+
+
+def check_shape(args):
+    """DualPipe needs two equal halves of ranks and of microbatches, both every rank's V full, and a layer
+    in each of its model chunks."""
+    name = f"--schedule {args.schedule}"
+    if args.schedule == "dualpipe" and args.pp % 2:
+        raise ValueError(f"--pp {args.pp} must be even for {name}: rank r and rank pp-1-r hold the two "
+                         "directions' copies of a stage")
+    if args.schedule == "dualpipe" and args.microbatches % 2:
+        raise ValueError(f"--microbatches {args.microbatches} must be even for {name}: half of them enter "
+                         "at each end")
+    if args.microbatches < 2 * args.pp:
+        raise ValueError(f"--microbatches {args.microbatches} must be at least 2 x --pp {args.pp} = "
+                         f"{2 * args.pp} for {name}: its steady state needs every rank's V full")
+    _, chunks = model_chunks(args, 0)
+    if chunks > args.layers:
+        raise ValueError(f"{name} with --pp {args.pp} = {chunks} model chunks cannot share --layers {args.layers}: "
+                         "each chunk needs a layer")
+    if args.p2p != "batched":
+        raise ValueError(f"--p2p {args.p2p} does not fit {name}: it commits its queued transfers in one "
+                         "batch_isend_irecv; use --p2p batched")
+    if args.scatter_gather:
+        raise ValueError(f"--scatter-gather does not fit {name}: its transfers carry whole tensors")
+    if args.tie_embeddings:
+        raise ValueError(f"--tie-embeddings does not fit {name}: the embedding's and the head's copies "
+                         "are not summed in its stage layout (not supported)")
+
+
+def check_flags(args, cuda_available: bool):
+    """DualPipe's rules, refused before any work with a ValueError of one line (config.py). --pairs
+    sequential is DualPipe's, and a CPU's: on in-order streams (NCCL) its batches deadlock."""
+    if args.schedule in SCHEDULES:
+        check_shape(args)
+    if args.pairs not in ("overlapped", "sequential"):
+        raise ValueError(f"--pairs {args.pairs} is unknown: use overlapped or sequential")
+    if args.pairs == "sequential" and args.schedule not in SCHEDULES:
+        raise ValueError(f"--pairs sequential does not fit --schedule {args.schedule}: only dualpipe and "
+                         "dualpipev run forward-backward pairs")
+    if args.pairs == "sequential" and (args.device == "cuda" or args.device == "auto" and cuda_available):
+        raise ValueError(f"--pairs sequential needs --device cpu (here --device {args.device} gives CUDA): "
+                         "a GPU overlaps a pair's two passes, and on NCCL's in-order streams the sequential "
+                         "pairs' batches deadlock (tests/replay.py); use --pairs overlapped")
