@@ -149,10 +149,10 @@ def run_check(check, exercise, folder):
     """(passed, lines): run one graded check on the copy."""
     kind = check[0]
     if kind == "replay":
-        cmd = [sys.executable, str(TESTS / "exercise_checks.py"), "replay", str(folder), ",".join(check[1]),
+        cmd = [sys.executable, str(TESTS / "check_exercises.py"), "replay", str(folder), ",".join(check[1]),
                *check[2:]]
     elif kind == "equivalence":
-        cmd = [sys.executable, str(TESTS / "exercise_checks.py"), "equivalence", str(folder), str(check[1]),
+        cmd = [sys.executable, str(TESTS / "check_exercises.py"), "equivalence", str(folder), str(check[1]),
                __import__("json").dumps(check[2])]
     else:
         nodes = [node.format(step=exercise["step"]) for node in check[1:]]
@@ -167,7 +167,7 @@ def run_check(check, exercise, folder):
 
 def pytest_diagnosis(text, folder):
     """The assertion lines of a failed pytest run, or the exception that stopped it."""
-    from exercise_checks import failure_lines
+    from check_exercises import failure_lines
 
     lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
     stub = [line for line in lines if "NotImplementedError" in line]

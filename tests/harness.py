@@ -1,7 +1,7 @@
 """Launch a step's code on several CPU processes and check it against a single device.
 
 The pytest process never imports a step's modules (all steps share module
-names); it starts `world` fresh Python processes running worker.py with the
+names); it starts `world` fresh Python processes running check_equivalence.py with the
 environment torchrun would give them (gloo, CPU, one thread each), waits with a
 deadline, and only reads back the tensors they saved.
 """
@@ -19,7 +19,7 @@ import torch
 import formulas
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "worker.py"
+WORKER = Path(__file__).resolve().parent / "check_equivalence.py"
 RTOL = 1e-5  # fp32 losses and gradients: pipelining only reorders sums, so they agree to rounding
 # Weights after three AdamW steps. AdamW divides each gradient entry by its running RMS plus
 # eps = 1e-8, so for entries near zero it multiplies fp32 rounding differences by up to lr/eps;
@@ -128,7 +128,7 @@ def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, wei
     and compared as whole parameters, one data-parallel replica at a time. rtol bounds the
     gradients, weight_rtol the weights (and step 07's fp32 masters) after three steps; 0 means
     bitwise. Step 07's loss scales must be the reference's, step by step. reference: which of the
-    references worker.py saved (reference_microbatched.pt: computed microbatch by microbatch). A PipeDream
+    references check_equivalence.py saved (reference_microbatched.pt: computed microbatch by microbatch). A PipeDream
     run (its ranks saved their weight versions) ends on weights: its losses and weights are compared.
     """
     ref = torch.load(case_dir / reference)

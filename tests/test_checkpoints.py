@@ -1,7 +1,7 @@
 """Checkpoints (checkpoint.py, step 03 on): a resumed run continues bitwise, a checkpoint loads into another
 layout, a crash in the middle of a save leaves the previous checkpoint loadable, bad inputs are refused.
 
-Each launch runs several train.py runs in one process group (tests/checkpoint_worker.py): a run of 6 steps
+Each launch runs several train.py runs in one process group (tests/check_checkpoints.py): a run of 6 steps
 that saves at steps 3 and 6, then runs that resume from a copy of its step-3 checkpoint. The checkpoints
 themselves are the evidence: the one an uninterrupted run saved after step 6 and the one the resumed run
 saved after step 6 are read back here with DCP (no course module is imported) and compared tensor by
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from harness import REPO, RunFailed, launch
 
-WORKER = REPO / "tests" / "checkpoint_worker.py"
+WORKER = REPO / "tests" / "check_checkpoints.py"
 SMALL = ["--device", "cpu", "--hidden", "32", "--layers", "4", "--heads", "2", "--seq-len", "16",
          "--batch-size", "8", "--microbatches", "4", "--timeout", "60"]
 RESHARD_RTOL = 1e-6

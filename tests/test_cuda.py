@@ -3,7 +3,7 @@
     pytest tests/test_cuda.py
 
   * every step's train.py on one GPU (world size 1) in fp32, and steps 07 and 08 also in bf16 and fp16, with
-    --trace and --log-json, run by tests/cuda_run.py, which logs every torch.cuda.synchronize (and its caller),
+    --trace and --log-json, run by tests/check_cuda.py, which logs every torch.cuda.synchronize (and its caller),
     every reading of a CUDA event's stamp, and the timeline's start_step and end_step. In every recorded step
     the timeline synchronizes once at start_step and once at end_step and nowhere in between, reads the stamps
     only after end_step's synchronize (two per event), and each event lies inside its step on the wall clock;
@@ -12,7 +12,7 @@
     timeline that synchronizes at every span must fail the check.
   * with 2 or more GPUs, a 2-rank NCCL pipeline of each schedule (step 01's naive, step 02's GPipe, and step
     08's afab, 1f1b, interleaved, PipeDream, PipeDream-2BW, zb1p, DualPipe, DualPipeV) against the
-    single-device reference of tests/worker.py (on the CPU, so held to fp32's 1e-5, weights 1e-4), with each
+    single-device reference of tests/check_equivalence.py (on the CPU, so held to fp32's 1e-5, weights 1e-4), with each
     rank's peak of stored microbatches against the formula: the equivalence test's harness, on CUDA.
 
 The checks of the logs are themselves checked on hand-made logs, with and without CUDA.
@@ -37,7 +37,7 @@ RUNS = [(step, "fp32") for step in STEPS] + [(step, p) for step in HALF_STEPS fo
 
 
 def timeline_problems(report, steps: int):
-    """What cuda_run.py's log shows wrong with the CUDA timeline of a run of `steps` steps (see its docstring)."""
+    """What check_cuda.py's log shows wrong with the CUDA timeline of a run of `steps` steps (see its docstring)."""
     log, events, problems = report["log"], report["events"], []
     if not report["on_cuda"]:
         problems.append("the timeline did not record on CUDA")
@@ -83,10 +83,10 @@ def log_problems(records, steps: int):
     return problems
 
 
-def cuda_run(step_dir, out, *flags, control=()):
-    """The report of tests/cuda_run.py and the log and trace of train.py FLAGS on one GPU."""
+def check_cuda(step_dir, out, *flags, control=()):
+    """The report of tests/check_cuda.py and the log and trace of train.py FLAGS on one GPU."""
     report, log, trace = out / "report.json", out / "log.jsonl", out / "trace.json"
-    launch([sys.executable, str(REPO / "tests" / "cuda_run.py"), str(step_dir), str(report), *control, "--",
+    launch([sys.executable, str(REPO / "tests" / "check_cuda.py"), str(step_dir), str(report), *control, "--",
             "--device", "cuda", "--steps", str(STEPS_RUN), "--log-json", str(log), "--trace", str(trace), *flags],
            1, out, timeout=300)
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -97,7 +97,7 @@ def cuda_run(step_dir, out, *flags, control=()):
 @pytest.mark.parametrize("step, precision", RUNS, ids=[f"{s}:{p}" for s, p in RUNS])
 def test_one_gpu_run_times_without_synchronizing(step, precision, step_dirs, tmp_path):
     flags = [] if step not in HALF_STEPS else ["--precision", precision]
-    report, records, trace = cuda_run(step_dirs[step], tmp_path, *flags)
+    report, records, trace = check_cuda(step_dirs[step], tmp_path, *flags)
     problems = timeline_problems(report, STEPS_RUN) + log_problems(records, STEPS_RUN)
     traced = {e["args"]["step"] for e in trace if e["ph"] == "X"}
     if traced != set(range(1, STEPS_RUN)):
@@ -107,12 +107,12 @@ def test_one_gpu_run_times_without_synchronizing(step, precision, step_dirs, tmp
 
 @CUDA
 def test_a_timeline_that_synchronizes_fails(step_dirs, tmp_path):
-    report, _, _ = cuda_run(step_dirs[STEPS[-1]], tmp_path, control=["--synchronizing"])
+    report, _, _ = check_cuda(step_dirs[STEPS[-1]], tmp_path, control=["--synchronizing"])
     assert any("between start_step and end_step" in p for p in timeline_problems(report, STEPS_RUN)), report["log"]
 
 
 def clean_report(steps: int = 3):
-    """A log as cuda_run.py writes it for a correct timeline: one forward and one backward per recorded step."""
+    """A log as check_cuda.py writes it for a correct timeline: one forward and one backward per recorded step."""
     log, events = [["start", 0, False, 0.0], ["end", 0], ["ended", 0, 1.0]], []
     for step in range(1, steps):
         t = 10.0 * step

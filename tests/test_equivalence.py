@@ -55,7 +55,7 @@ CASES = [
       for extra in (["--schedule", "afab"], ["--schedule", "1f1b", "--deallocate"], ["--virtual-stages", "2"],
                     ["--scatter-gather"], ["--tie-embeddings"], ["--virtual-stages", "2", "--tie-embeddings"])],
     case("step06_tp", 4, "--tp", "2", "--dp", "2", "--layers", "2", "--microbatches", "2"),
-    # Mixed precision against the microbatch-wise reference in the same precision (worker.reference_microbatched).
+    # Mixed precision against the microbatch-wise reference in the same precision (check_equivalence.reference_microbatched).
     *[case("step07_mixed_precision", pp, "--pp", str(pp), "--layers", "4", "--microbatches", "4", "--precision", pr)
       for pp in (2, 4) for pr in ("bf16", "fp16")],
     case("step07_mixed_precision", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2",
@@ -94,7 +94,7 @@ CASES = [
     case("step08_dualpipe", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "4",
          "--schedule", "dualpipev"),
 ]
-# PipeDream (step 04 on) against worker.reference_pipedream, which updates as PipeDream does: bitwise.
+# PipeDream (step 04 on) against check_equivalence.reference_pipedream, which updates as PipeDream does: bitwise.
 PIPEDREAM = ["--layers", "4", "--microbatches", "2", "--steps", "3"]
 CASES += [
     *[case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", *schedule)
@@ -119,7 +119,7 @@ NO_STASHING = case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pip
 
 def tolerances(flags):
     """(gradients, weights). PipeDream without TP: bitwise, against a reference that also goes microbatch by microbatch
-    (worker.reference_pipedream). fp32: harness's. Half precision without TP: bitwise, since a pipeline rounds
+    (check_equivalence.reference_pipedream). fp32: harness's. Half precision without TP: bitwise, since a pipeline rounds
     exactly where the microbatch-wise reference does; not DualPipe, whose all-reduce adds one direction's fp32
     sum to the other's (harness's fp32 tolerances; measured: bitwise at m = 4, where the fp32 sums of four bf16
     gradients are exact). With TP the row-parallel sums are rounded to the half type on each rank before the
@@ -172,7 +172,7 @@ def test_pipedream_without_weight_stashing_fails(group_results):
 
 
 # DualPipeV in fp32 computes each microbatch's gradient and adds them in microbatch order, as the reference
-# written microbatch by microbatch does (worker.reference_microbatched): bitwise equal, as DeepSeek's own
+# written microbatch by microbatch does (check_equivalence.reference_microbatched): bitwise equal, as DeepSeek's own
 # example asserts. With TP the row-parallel partial sums are added in another order, so TP is left out.
 BITWISE_DUALPIPEV = [p for p in CASES if "dualpipev" in p.values[2] and "--precision" not in p.values[2]
                      and "--tp" not in p.values[2]]

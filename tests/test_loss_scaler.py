@@ -1,9 +1,9 @@
 """Step 07's loss scalers against Megatron-LM's rules, on scripted overflow sequences.
 
-The scalers run in a subprocess (tests/scaler_checks.py: the pytest process never imports a
+The scalers run in a subprocess (tests/check_loss_scaler.py: the pytest process never imports a
 step's modules). What they report is compared with expected_states below, which reads the rules
 off the history of overflows instead of keeping Megatron's counters, and for the named scenarios
-also with scales written out by hand. Broken variants of the scaler (scaler_checks.CONTROLS) must
+also with scales written out by hand. Broken variants of the scaler (check_loss_scaler.CONTROLS) must
 fail the same comparison.
 """
 import json
@@ -17,7 +17,7 @@ from conftest import STEPS
 from harness import REPO
 
 SCALER_STEPS = [s for s in STEPS if s >= "step07"]
-CHECKS = REPO / "tests" / "scaler_checks.py"
+CHECKS = REPO / "tests" / "check_loss_scaler.py"
 
 
 def scaler_args(initial_scale=2.0**16, min_scale=1.0, growth_interval=4, hysteresis=2):
@@ -46,7 +46,7 @@ SCENARIOS = {
         (scaler_args(min_scale=2.0**12, growth_interval=3, hysteresis=3),
          random.Random(7).choices([0, 1], weights=[3, 2], k=300), None),
 }
-# Each broken variant in scaler_checks.CONTROLS, and the scenario that must catch it.
+# Each broken variant in check_loss_scaler.CONTROLS, and the scenario that must catch it.
 CAUGHT_BY = {
     "hysteresis refilled by a clean step": "hysteresis counts overflows since the last growth, not in a row",
     "hysteresis not refilled by growth": "growth refills the hysteresis tracker",
@@ -140,11 +140,11 @@ def test_constant_scaler_never_changes(step, step_dirs):
 
 @pytest.mark.parametrize("step", SCALER_STEPS)
 def test_each_broken_scaler_is_caught(step, step_dirs):
-    """Negative controls: each variant in scaler_checks.CONTROLS breaks one rule, and the
+    """Negative controls: each variant in check_loss_scaler.CONTROLS breaks one rule, and the
     comparison above must report a mismatch on the scenario written for that rule."""
     _, found = run_checks(step_dirs[step])
     for name in SCENARIOS:
-        assert set(found[name]["controls"]) == set(CAUGHT_BY), "each control in scaler_checks.py needs its scenario"
+        assert set(found[name]["controls"]) == set(CAUGHT_BY), "each control in check_loss_scaler.py needs its scenario"
     for control, name in CAUGHT_BY.items():
         config, flags, _ = SCENARIOS[name]
         assert found[name]["controls"][control] != expected_states(flags, **config), f"'{control}' passed '{name}'"

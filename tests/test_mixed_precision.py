@@ -12,7 +12,7 @@ from conftest import STEPS
 from harness import REPO, launch
 
 MP_STEPS = [s for s in STEPS if s >= "step07"]
-CHECKS = REPO / "tests" / "mp_checks.py"
+CHECKS = REPO / "tests" / "check_mixed_precision.py"
 FP16_NORM_REL = 1e-3  # two fp16 roundings (2 x 4.9e-4): its weights, activations and messages round to 11 bits;
 #                       measured 4.3e-5 on this model, against the scale times (65536 or 1024) a missed unscale gives
 

@@ -14,7 +14,7 @@ from conftest import STEPS
 from harness import REPO, launch, whole_tensors
 
 TP_STEPS = [s for s in STEPS if s >= "step06"]
-CHECKS = REPO / "tests" / "tp_checks.py"
+CHECKS = REPO / "tests" / "check_tensor_parallel.py"
 
 
 def run_checks(step_dir, mode: str, world: int, tmp_path):

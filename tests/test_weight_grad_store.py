@@ -21,7 +21,7 @@ def test_b_then_w_equals_one_backward_bitwise(step, step_dirs, tmp_path):
     then W of both, gives every gradient bitwise equal to two whole backwards, and leaves the store
     empty. Control: without the W's the Linear weights have no gradient, and the check must see it."""
     out = tmp_path / "found.json"
-    launch([sys.executable, str(REPO / "tests" / "split_checks.py"), str(step_dirs[step]), str(out)], 2, tmp_path, 120)
+    launch([sys.executable, str(REPO / "tests" / "check_weight_grad_store.py"), str(step_dirs[step]), str(out)], 2, tmp_path, 120)
     for rank, found in enumerate(json.loads(out.read_text())):
         assert set(found) == {f"tp{tp} torch.{d}" for tp in (1, 2) for d in ("float32", "bfloat16")}, found
         for case, result in found.items():

@@ -1,6 +1,6 @@
 """One rank of a gradient-equivalence run. Started by harness.py, never by pytest itself.
 
-    python tests/worker.py STEP_DIR OUT_DIR CASES_JSON
+    python tests/check_equivalence.py STEP_DIR OUT_DIR CASES_JSON
 
 Imports the step's own modules (its folder goes first on sys.path, so two steps
 never meet in one process) and uses the step's public training API:

@@ -1,6 +1,6 @@
 """One process of a step's train.py on CUDA, watched. Started by tests/test_cuda.py (through harness.launch).
 
-    python tests/cuda_run.py STEP_DIR REPORT_JSON [--synchronizing] -- TRAIN_FLAGS...
+    python tests/check_cuda.py STEP_DIR REPORT_JSON [--synchronizing] -- TRAIN_FLAGS...
 
 Runs the step's own train.main(TRAIN_FLAGS) in this process, with torch.cuda.synchronize,
 torch.cuda.Event.elapsed_time (the reading of a stamp) and the timeline's start_step and end_step wrapped,

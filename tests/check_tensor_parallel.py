@@ -1,8 +1,8 @@
 """Step 06's tensor-parallel pieces, one at a time, against the operations they split.
 
-    python tests/tp_checks.py STEP_DIR layout OUT.json         # pure arithmetic, no processes
-    (2 ranks)  python tests/tp_checks.py STEP_DIR blocks OUT.json
-    (4 ranks)  python tests/tp_checks.py STEP_DIR scatter OUT.json
+    python tests/check_tensor_parallel.py STEP_DIR layout OUT.json         # pure arithmetic, no processes
+    (2 ranks)  python tests/check_tensor_parallel.py STEP_DIR blocks OUT.json
+    (4 ranks)  python tests/check_tensor_parallel.py STEP_DIR scatter OUT.json
 
 Run as ranks by test_tensor_parallel.py (through harness.launch); rank 0 writes
 what it found as JSON, which the test reads. Every check also runs on a broken

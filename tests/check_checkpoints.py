@@ -1,7 +1,7 @@
 """One rank of a checkpoint test: several train.py runs in one process group. Started by
 test_checkpoints.py through harness.launch, never by pytest itself.
 
-    python tests/checkpoint_worker.py STEP_DIR OUT_DIR CASES_JSON
+    python tests/check_checkpoints.py STEP_DIR OUT_DIR CASES_JSON
 
 Each case is {"flags": [...], and optionally
     "copy": [SRC, DST]    rank 0 copies the checkpoint folder SRC to DST first (a resume's start),

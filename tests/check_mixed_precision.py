@@ -1,8 +1,8 @@
 """Step 07's shared skip and global norm, checked inside a run of 4 ranks (tp 2 x pp 2).
 
-    (4 ranks)  python tests/mp_checks.py STEP_DIR inf OUT.json
-    (4 ranks)  python tests/mp_checks.py STEP_DIR norm OUT.json
-    (4 ranks)  python tests/mp_checks.py STEP_DIR scaled OUT.json
+    (4 ranks)  python tests/check_mixed_precision.py STEP_DIR inf OUT.json
+    (4 ranks)  python tests/check_mixed_precision.py STEP_DIR norm OUT.json
+    (4 ranks)  python tests/check_mixed_precision.py STEP_DIR scaled OUT.json
 
 inf:  after one step's backward, one gradient entry on rank 3 only is set to inf;
       every rank must skip the step, leave its half weights and fp32 masters bitwise

@@ -1,6 +1,6 @@
 """Step 08's B/W split against one undivided backward, bitwise.
 
-    (2 ranks)  python tests/split_checks.py STEP_DIR OUT.json
+    (2 ranks)  python tests/check_weight_grad_store.py STEP_DIR OUT.json
 
 Each case builds two equal copies of a small model: the whole model on each rank (tp 1), or its TP
 shards over both ranks (tp 2), in fp32 or bf16. Both copies run the forwards of two microbatches. One

@@ -1,9 +1,9 @@
 """The graded checks of tests/exercise.py that run a step's code, one per process (steps share module names).
 
-    python tests/exercise_checks.py replay STEP_DIR NAMES [EXTRA]    the schedules NAMES (comma-separated),
+    python tests/check_exercises.py replay STEP_DIR NAMES [EXTRA]    the schedules NAMES (comma-separated),
         replayed without a model (tests/replay.py) for every configuration the step's rules allow with
         pp <= 4, m <= 8, v <= 3; EXTRA: "pipedream" (weight versions) or "two_way" (DualPipe's phases)
-    python tests/exercise_checks.py equivalence STEP_DIR WORLD FLAGS_JSON    one run against the single device
+    python tests/check_exercises.py equivalence STEP_DIR WORLD FLAGS_JSON    one run against the single device
 
 Each prints what it found, the first problem only, in a few lines, and exits 0 (passed) or 1 (failed).
 """

@@ -1,6 +1,6 @@
 """Step 07's loss scalers driven through scripted overflow sequences; what they did, as JSON.
 
-    python tests/scaler_checks.py STEP_DIR < scenarios.json > found.json
+    python tests/check_loss_scaler.py STEP_DIR < scenarios.json > found.json
 
 Run by test_loss_scaler.py, which writes the scenarios and computes what to expect
 itself. Each scenario is {"config": DynamicGradScaler's keyword arguments, "flags":
