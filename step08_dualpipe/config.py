@@ -303,11 +303,11 @@ def check_memory(args, world: int, cuda_available: bool):
 
 
 def family(args):
-    """The module that runs and describes args.schedule: schedule.py's flushed schedules, PipeDream's
-    (pipedream.py) or DualPipe's (dualpipe.py). train.py and report.py ask it, not the name. Each has SCHEDULES
-    (name -> function(stages, comm, microbatches)) and schedule_of(args), the formulas bubble_formula(args,
-    times=None) and peak_stored_microbatches(args, stage), stage_class(args, model, before_update),
-    train_steps(run, flushed_steps, *pieces), peaks(run) and report_lines(args, record, ...)."""
+    """The module that runs and describes args.schedule: schedule.py, pipedream.py or dualpipe.py; train.py and
+    report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm, microbatches)), the formulas
+    bubble_formula(args, times=None) and peak_stored_microbatches(args, stage), stage_class, train_steps, peaks and
+    report_lines. The flushed two (schedule.py, dualpipe.py) also have schedule_of(args), which compute_gradients
+    runs, and model_chunks(args, stage); pipedream.py has neither (it trains through its own train_steps)."""
     if args.schedule in TWO_WAY:
         return dualpipe
     return pipedream if args.schedule in PIPEDREAM else schedule
