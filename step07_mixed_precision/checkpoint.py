@@ -132,9 +132,13 @@ def check_resume(args, path):
         raise ValueError(f"--resume {args.resume} holds no complete checkpoint (a folder stepNNNNNNNN with "
                          "DCP's .metadata)")
     saved, wanted = read_facts(path), facts(args, 0)
+    missing = [fact for fact in wanted if fact not in saved]  # the facts later steps of the course add
+    if missing:
+        raise ValueError(f"--resume {path} does not record {', '.join(missing)}: an earlier step of the course "
+                         "saved it; resume it with that step's train.py")
     for flag in ("vocab_size", *SHAPE_FLAGS):
+        name = "the vocabulary" if flag == "vocab_size" else "--" + flag.replace("_", "-")
         if saved[flag] != wanted[flag]:
-            name = "the vocabulary" if flag == "vocab_size" else "--" + flag.replace("_", "-")
             raise ValueError(f"--resume {path} was saved with {name} {saved[flag]}, this run has {name} "
                              f"{wanted[flag]}: a checkpoint loads only into a model of its shape")
     if args.precision == "fp16" and not args.loss_scale and not saved["scaler"]:

@@ -179,6 +179,14 @@ def pytest_diagnosis(text, folder):
     return shortened[:8] or [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:4]
 
 
+def hint_for(exercise, lines):
+    """The hint that fits what the check printed: a (key word, hint) pair whose key word is in its lines,
+    else the exercise's first plain hint."""
+    text = "\n".join(lines)
+    keyed = [hint for key, hint in (h for h in exercise["hints"] if isinstance(h, tuple)) if key in text]
+    return (keyed or [h for h in exercise["hints"] if isinstance(h, str)])[0]
+
+
 def check(exercise, folder):
     """Run the exercise's checks in order, stopping at the first failure; print at most ~20 lines."""
     checks, start, ident = exercise["checks"], time.perf_counter(), exercise["id"]
@@ -189,7 +197,7 @@ def check(exercise, folder):
         if not passed:
             print(f"FAIL {ident}, check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
             print("\n".join(f"  {line}" for line in lines[:12]))
-            print(f"hint: {exercise['hints'][0]}")
+            print(f"hint: {hint_for(exercise, lines)}")
             return 1
         print(f"ok   check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
     if folder.is_relative_to(COPIES):

@@ -14,7 +14,8 @@ Each entry:
               ("replay", [...], "two_way")     ... then DualPipe's eight phases (tests/two_way.py)
               ("equivalence", world, flags)    one small run against the single device (tests/harness.py)
               ("pytest", node id, ...)         the step's own tests of that function
-  hints     one or two
+  hints     one or two; a (key word, hint) pair is shown instead of the first plain hint when the check's
+            report holds the key word (a deadlock calls for another hint than a wrong microbatch)
   wrong     the typical wrong answers: (what, file, old text, new text, key words the diagnosis must show), old
             and new texts or tuples of them (several places); applied to the course's own code, each must fail
             its checks with those words in the diagnosis (tests/test_exercises.py)
@@ -155,7 +156,10 @@ EXERCISES = [
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--p2p", "ordered"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
         hints=["In the steady state's i-th round the forward is of microbatch warmup+i, the backward of microbatch i.",
-               "The last steady round sends its input gradient alone: there is no next input to receive."],
+               "The last steady round sends its input gradient alone: there is no next input to receive.",
+               ("deadlock", "Posted apart, a send waits for its receive, and both neighbours send first: post each "
+                "send with the receive of the same round in one exchange (send_forward_recv_backward, "
+                "send_backward_recv_forward).")],
         wrong=[("the steady state back-propagates the newest microbatch", "schedule.py",
                 "fwd_mb, bwd_mb = warmup + i, i", "fwd_mb, bwd_mb = warmup + i, warmup + i",
                 ["raised", "one_f_one_b_forward_backward"]),

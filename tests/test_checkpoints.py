@@ -265,8 +265,9 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(checkpoint_runs):
     assert losses(out / "after_crash.jsonl")[2] == losses(out / "a.jsonl")[2]
 
 
-def bad_inputs(out: Path, step: str):
-    """(flags, the texts the refusal's line must hold) for a step, around the checkpoints of its runs."""
+def bad_inputs(out: Path, step: str, earlier: Path):
+    """(flags, the texts the refusal's line must hold) for a step, around the checkpoints of its runs and of
+    step 03's runs (earlier)."""
     (out / "empty").mkdir(exist_ok=True)
     (out / "unfinished").mkdir(exist_ok=True)
     shutil.copytree(out / "a" / step_name(3), out / "unfinished" / f"{step_name(3)}.tmp", dirs_exist_ok=True)
@@ -289,16 +290,19 @@ def bad_inputs(out: Path, step: str):
                    ["--resume does not fit --schedule pipedream-2bw", "no step boundary"])]
     if step >= "step07":
         cases += [(["--resume", str(out / "b"), "--precision", "fp16", "--steps", "10"],
-                   ["saved in bf16 with no dynamic loss scaler", "--precision fp16"])]
+                   ["saved in bf16 with no dynamic loss scaler", "--precision fp16"]),
+                  (["--resume", str(earlier / "a"), "--steps", "10"],
+                   ["does not record precision, tie_embeddings", "an earlier step of the course"])]
     return [([*SMALL, "--pp", "1", *flags], texts) for flags, texts in cases]
 
 
 @pytest.mark.parametrize("step", ["step03_afab", "step04_1f1b", "step07_mixed_precision"])
 def test_bad_checkpoint_flags_are_refused_with_one_line(step, step_dirs, checkpoint_runs):
     """Each bad --save, --save-every, --keep or --resume ends train.parse_args (rank 0 of 1, before any
-    process group) with exit code 2 and one `error:` line naming it (tests/check_bad_flags.py)."""
+    process group) with exit code 2 and one `error:` line naming it (tests/check_bad_flags.py); in step 07,
+    also a checkpoint that step 03 saved, which lacks the facts later steps record."""
     out = checkpoint_runs(step)
-    cases = bad_inputs(out, step)
+    cases = bad_inputs(out, step, checkpoint_runs("step03_afab"))
     (out / "cases.json").write_text(json.dumps([[1, flags] for flags, _ in cases]))
     done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
                            str(out / "cases.json")], cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -26,15 +26,6 @@ from exercises import EXERCISES
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [e["id"] for e in EXERCISES]
-# Proven in the default run: the exercises graded first by the replay (seconds each), and one of each other kind.
-DEFAULT = [e for e in EXERCISES if e["checks"][0][0] == "replay" or e["id"] in ("01.naive", "07.scaler")]
-
-
-def proofs_asked(request):
-    if "exercise_proofs" not in (request.config.getoption("-m") or ""):
-        pytest.skip("one run of every check of every exercise: pytest -m exercise_proofs tests/test_exercises.py")
-
-
 def prepared(entry, folder: Path, stub=False, wrong=None) -> Path:
     """A copy of the exercise's step in folder: stubbed, with one wrong answer applied, or as the course has it."""
     shutil.copytree(REPO / entry["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -67,6 +58,8 @@ def assert_wrong_answers_fail(entry, tmp_path):
         assert n is not None, f"{entry['id']}: the wrong answer '{wrong[0]}' passes every check"
         missing = [word for word in wrong[4] if word not in text]
         assert not missing, f"{entry['id']}, '{wrong[0]}': the diagnosis lacks {missing}:\n{text}"
+        keyed = [hint for key, hint in (h for h in entry["hints"] if isinstance(h, tuple)) if key in wrong[4]]
+        assert not keyed or exercise.hint_for(entry, text.splitlines()) == keyed[0], (entry["id"], wrong[0])
 
 
 def test_catalogue_covers_every_step_and_names_real_code():
@@ -121,25 +114,36 @@ def test_replay_reports_a_raising_schedule(tmp_path):
                                                        "raised NotImplementedError: exercise 04.1f1b"), lines
 
 
-@pytest.mark.parametrize("entry", DEFAULT, ids=[e["id"] for e in DEFAULT])
-def test_stub_and_wrong_answers_fail_in_seconds(entry, tmp_path):
-    """The exercises graded first by the replay, one graded by a run against the single device (01.naive)
-    and one by the step's own in-process tests (07.scaler): the stub fails check 1 with its message, within
-    30 s, and each wrong answer fails with its key words."""
-    seconds = assert_stub_fails_first(entry, tmp_path / "stub")
-    assert seconds < 30, f"{entry['id']}: the stub's first failure took {seconds:.0f} s"
-    assert_wrong_answers_fail(entry, tmp_path)
+def limit_s(entry):
+    """How soon a stub must fail: a schedule's replay in 30 s, a layer's launch of ranks in 60 s."""
+    return 60 if entry["step"] in ("step06_tp", "step07_mixed_precision") else 30
 
 
-@pytest.mark.exercise_proofs
 @pytest.mark.parametrize("entry", EXERCISES, ids=IDS)
-def test_every_exercise_stub_wrong_answers_and_solution(entry, tmp_path, request):
-    """One run of every check: the stub fails check 1 with its message (within 30 s for a schedule, 60 s
-    for a layer), every wrong answer fails with its key words, the course's own code passes every check."""
-    proofs_asked(request)
-    to_fail = assert_stub_fails_first(entry, tmp_path / "stub")
-    assert to_fail < (60 if entry["step"] in ("step06_tp", "step07_mixed_precision") else 30), to_fail
+def test_stub_and_wrong_answers_fail(entry, tmp_path):
+    """The stub fails check 1 with its message, in time (limit_s); each typical wrong answer fails a check,
+    and the diagnosis names it (its key words) with the hint that fits."""
+    seconds = assert_stub_fails_first(entry, tmp_path / "stub")
+    assert seconds < limit_s(entry), f"{entry['id']}: the stub's first failure took {seconds:.0f} s"
     assert_wrong_answers_fail(entry, tmp_path)
-    n, text, to_pass = first_failure(entry, prepared(entry, tmp_path / "solution"))
-    assert n is None, f"{entry['id']}: the course's own code fails check {n}:\n{text}"
-    print(f"\n{entry['id']}: the stub fails in {to_fail:.1f} s, the course's code passes every check in {to_pass:.1f} s")
+
+
+def solution_checks(step):
+    """Every distinct check of the step's exercises, the pytest nodes joined into one run."""
+    checks, nodes = [], []
+    for entry in (e for e in EXERCISES if e["step"] == step):
+        for check in entry["checks"]:
+            if check[0] == "pytest":
+                nodes += [node for node in check[1:] if node not in nodes]
+            elif check not in checks:
+                checks.append(check)
+    return checks + ([("pytest", *nodes)] if nodes else [])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_course_code_passes_every_check(step):
+    """The solution is the course's own code: every check of the step's exercises passes on its folder."""
+    entry = next(e for e in EXERCISES if e["step"] == step)
+    for check in solution_checks(step):
+        passed, lines = exercise.run_check(check, entry, REPO / step)
+        assert passed, f"{step}'s own code fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
