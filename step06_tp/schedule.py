@@ -243,6 +243,12 @@ SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward
              "interleaved": interleaved_forward_backward}
 
 
+def model_chunks(args, stage: int):
+    """(global indices of this rank's model chunks, how many chunks the model is cut into): with v virtual
+    stages, stage, stage + p, ..."""
+    return list(range(stage, args.pp * args.virtual_stages, args.pp)), args.pp * args.virtual_stages
+
+
 def stage_class(args, model, before_update):
     """The stages a flushed schedule drives: plain PipelineStages (the optimizer steps once per batch)."""
     return PipelineStage

@@ -14,15 +14,13 @@ possible. Stage s (of p) runs
 At most min(p-s, m) microbatches are in flight on stage s at any time, so
 activation memory is bounded by the pipeline depth instead of m.
 
-ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits
-each backward into B, the input gradient the previous stage waits for, and W,
-the weight gradients nobody waits for (weight_grad_store.py). Stage s runs
-1F1B's warm-up and then, for each microbatch i, a forward while any remain,
-B of i, and W of i-s once i >= s; the last s W's close the step. Each stage
-postpones s W's, which fill the gaps where 1F1B waits for a gradient: the
-bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute time,
-while every stage holds at most p microbatches, 1F1B's first-stage peak.
-
+ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits each
+backward into B, the input gradient the previous stage waits for, and W, the weight
+gradients nobody waits for (weight_grad_store.py). Stage s runs 1F1B's warm-up, then
+for each microbatch i a forward while any remain, B of i, and W of i-s once i >= s;
+the last s W's close the step. The s postponed W's fill the gaps where 1F1B waits for
+a gradient: the bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute
+time, while every stage holds at most p microbatches, 1F1B's first-stage peak.
 DualPipe and DualPipeV (step 08, DeepSeek-V3) are a family of their own, in
 dualpipe.py, which runs its schedules on this module's Stash.
 

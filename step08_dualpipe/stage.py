@@ -17,13 +17,11 @@ With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
-With deallocate (Megatron's deallocate_output_tensor), once the output has been
-sent to the next stage its values are dropped: only its autograd node is needed
-for the backward, since the next stage returns d(loss)/d(output) and the last
-operation of a stage (a residual add) saves nothing of its own output.
-
-Two seams do nothing here, weights(mb) and backward_done(mb): PipeDream's stage
-(pipedream.py) overrides them to run on weight versions and update as it goes.
+With deallocate (Megatron's deallocate_output_tensor) a sent output's values are
+dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
+stage's last operation (a residual add) saves nothing of its own output. Two seams
+do nothing here, weights(mb) and backward_done(mb): PipeDream's stage (pipedream.py)
+overrides them to run on weight versions and update as it goes.
 
 Step 08 can split a backward in two: backward(..., split=True) runs B, the
 input gradient, and leaves the Linear weight gradients queued as one W in the
@@ -59,8 +57,7 @@ def custom_backward(out, grad):
 
 
 class PipelineStage:
-    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch,
-    whole or split into B and W, with recompute, deallocation of sent outputs and the seams of PipeDream's stage
+    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
     (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
     def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, meter=None,
@@ -134,13 +131,8 @@ class PipelineStage:
         self.meter.release((self.chunk, mb))
 
     def overlapped_forward_backward(self, forward, backward):
-        """Run DualPipe's pair: a forward of this stage and a backward of another microbatch (dualpipe.py).
-
-        One CPU thread can only run them one after the other, drawn as one bracketed box (F&B). On a
-        GPU this is where the overlap goes: cut both into pieces (attention, MLP, their collectives)
-        and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
-        hides its expert all-to-all this way; its modules define their own overlapped_forward_backward.
-        """
+        """DualPipe's pair, a forward of this stage and a backward of another microbatch, run one after the
+        other and drawn as one bracketed box (F&B): where a GPU would overlap them (dualpipe.py)."""
         with timeline.span("F&B", chunk=self.chunk):
             forward()
             backward()
