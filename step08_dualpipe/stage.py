@@ -110,16 +110,13 @@ class PipelineStage:
 
     def backward(self, mb, x, out, out_grad, split=False):
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0).
-
-        split (step 08): run B only. The Linear weight gradients wait in the WeightGradStore as one W,
-        and the microbatch keeps what they need (each Linear's input and output gradient) until then.
-        """
+        split (step 08): B only; the microbatch keeps what its W needs (each Linear's input and output gradient)."""
         key = (self.chunk, mb)
         with timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
             custom_backward(out, out_grad)
             self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
-        self.meter.release(key)  # autograd has freed what the forward saved
-        if split and self.meter.enabled:
+        self.meter.release((self.chunk, mb))
+        if split and self.meter.enabled:  # autograd has freed what the forward saved; W holds what it needs
             for t in WeightGradStore.held():
                 self.meter.keep(key, t)
         return None if self.is_first else x.grad
