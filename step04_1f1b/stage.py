@@ -16,9 +16,8 @@ before the backward.
 
 With deallocate (Megatron's deallocate_output_tensor) a sent output's values are
 dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
-stage's last operation (a residual add) saves nothing of its own output. Two seams
-do nothing here, weights(mb) and backward_done(mb): PipeDream's stage (pipedream.py)
-overrides them to run on weight versions and update as it goes.
+stage's last operation (a residual add) saves nothing of its own output. PipeDream's
+stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
 `chunk` numbers this rank's model chunks; it stays 0 until step 05 gives a rank
 several. The timeline (timeline.span) and the activation meter only watch: leave the meter out,
@@ -57,7 +56,8 @@ class PipelineStage:
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):
-        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own."""
+        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own
+        (PipeDream's stage runs each microbatch on a weight version)."""
         return None
 
     def backward_done(self, mb):
