@@ -19,7 +19,7 @@ import checkpoint
 from budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
 from distributed import world_from_env
-from schedule import peak_stored_microbatches
+import schedule
 
 
 class ConfigError(ValueError):
@@ -193,7 +193,7 @@ def check_memory(args, world: int, cuda_available: bool):
 
 def stages_bytes(args):
     """budget.stage_bytes of each stage, holding the peak stored microbatches of its formula."""
-    return [stage_bytes(args, peak_stored_microbatches(args, s)[1], chunks=args.pp) for s in range(args.pp)]
+    return [stage_bytes(args, schedule.peak_stored_microbatches(args, s)[1], chunks=args.pp) for s in range(args.pp)]
 
 
 def check_config(args, world_size: int, cuda_available: bool):

@@ -39,7 +39,6 @@ class ProcessGroupManager:
         # Schedules never send past the ends until step 05, where activations go round the ring.
         self.next_rank = ((self.stage + 1) % pp) * dp + self.dp_rank
         self.prev_rank = ((self.stage - 1) % pp) * dp + self.dp_rank
-        self.last_stage_rank = (pp - 1) * dp + self.dp_rank
 
     @property
     def is_first(self) -> bool:

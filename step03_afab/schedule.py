@@ -1,9 +1,9 @@
-"""All-forward-all-backward (AFAB): GPipe's schedule, written on the engine.
+"""Pipeline schedules, written on the engine: all-forward-all-backward (AFAB).
 
-Every microbatch goes forward through this stage, then every microbatch goes
-backward, in the same order on every stage so each receive meets its send.
-The stage keeps the inputs and outputs of all m microbatches until their
-backward: activation memory grows with m (step 04 fixes that).
+AFAB, GPipe's schedule: every microbatch goes forward through this stage, then
+every microbatch goes backward, in the same order on every stage so each
+receive meets its send. The stage keeps the inputs and outputs of all m
+microbatches until their backward: activation memory grows with m (step 04 fixes that).
 
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.

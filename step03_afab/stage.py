@@ -35,7 +35,8 @@ class PipelineStage:
         self.meter = meter or ActivationMeter(enabled=False)
 
     def _run(self, x, target):
-        out = self.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
+        # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] on the last stage
+        out = self.model(x)
         return lm_loss(out, target) if self.is_last else out
 
     def forward(self, mb, x, target):

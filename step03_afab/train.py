@@ -86,13 +86,14 @@ def replica_microbatches(run, inputs, targets):
 
 
 def share_loss(run, loss):
-    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    """The batch's mean loss on every rank: summed along each pipeline (only the ranks that compute a
+    loss hold a nonzero value), then averaged over the replicas."""
     pgm = run.pgm
     value = torch.zeros((), device=run.device) if loss is None else loss.float()
-    if pgm.is_last:
+    dist.all_reduce(value, group=pgm.pp_group)
+    if pgm.dp > 1:
         dist.all_reduce(value, group=pgm.dp_group)
         value /= pgm.dp
-    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
     return value.item()
 
 

@@ -5,9 +5,8 @@ every microbatch goes backward, in the same order on every stage so each
 receive meets its send. The stage keeps the inputs and outputs of all m
 microbatches until their backward: activation memory grows with m.
 
-1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m
-backwards, so it has the same bubble, but starts each backward as early as
-possible. Stage s (of p) runs
+1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m backwards,
+so it has the same bubble, but starts each backward as early as possible. Stage s (of p) runs
     warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
     steady:    one forward then one backward, until every forward is done,
     cool-down: the remaining backwards.
@@ -22,7 +21,7 @@ import torch
 from stage import PipelineStage
 
 def bubble_formula(args):
-    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B)."""
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages."""
     return "(p-1)/(m+p-1)", (args.pp - 1) / (args.microbatches + args.pp - 1)
 
 

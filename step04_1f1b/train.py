@@ -3,11 +3,10 @@
     torchrun --nproc_per_node 4 step04_1f1b/train.py --microbatches 8 [--schedule afab] [--deallocate]
     torchrun --nproc_per_node 4 step04_1f1b/train.py --schedule pipedream [--vertical-sync]
 
-Same engine as step 03; the schedule now starts each microbatch's backward as
-soon as the pipeline allows, so a stage holds at most p - stage microbatches of
-activations instead of all m. --p2p picks how a paired send and receive avoid
-deadlock; --deallocate frees sent outputs early. --schedule pipedream and
-pipedream-2bw (pipedream.py) run that order over the whole run with no flush.
+Same engine as step 03; the schedule now starts each microbatch's backward as soon as the
+pipeline allows, so a stage holds at most p - stage microbatches of activations instead of
+all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate frees sent
+outputs early. --schedule pipedream and pipedream-2bw (pipedream.py) run 1F1B with no flush.
 """
 import json
 import math
@@ -88,13 +87,14 @@ def replica_microbatches(run, inputs, targets):
 
 
 def share_loss(run, loss):
-    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    """The batch's mean loss on every rank: summed along each pipeline (only the ranks that compute a
+    loss hold a nonzero value), then averaged over the replicas."""
     pgm = run.pgm
     value = torch.zeros((), device=run.device) if loss is None else loss.float()
-    if pgm.is_last:
+    dist.all_reduce(value, group=pgm.pp_group)
+    if pgm.dp > 1:
         dist.all_reduce(value, group=pgm.dp_group)
         value /= pgm.dp
-    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
     return value.item()
 
 
@@ -103,8 +103,7 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
     run.comm.begin_step()
-    run_schedule = family(run.args).SCHEDULES[run.args.schedule]
-    loss = run_schedule(run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    loss = family(run.args).SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.

@@ -22,8 +22,6 @@ from distributed import world_from_env
 from p2p import ORDERINGS
 import pipedream
 import schedule
-from pipedream import SCHEDULES as PIPEDREAM
-from schedule import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -33,6 +31,8 @@ class ConfigError(ValueError):
 REFUSAL_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after a refusal (refuse)
 MIN_TIMEOUT_S = 1.0  # --timeout's floor: the start-up's rendezvous runs under the same timeout
 MAX_SEED = (2**64 - 2**32) // 1_000_003  # model.py seeds with seed * 1_000_003 + crc32(name) < 2**64
+ADD_ONS = (pipedream,)  # the schedule families beside schedule.py, each with its own flags and rules
+SCHEDULE_NAMES = [name for module in (schedule, *ADD_ONS) for name in module.SCHEDULES]
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,15 +58,16 @@ def build_parser(description=None):
     group.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
     group.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (m)")
     group.add_argument("--schedule", default=None,
-                       help="afab | 1f1b | interleaved | pipedream | pipedream-2bw (default: interleaved if "
-                            "--virtual-stages > 1, else 1f1b; the last two never flush: pipedream.py)")
+                       help=" | ".join(SCHEDULE_NAMES) + " (default: interleaved if --virtual-stages > 1, else "
+                            "1f1b; pipedream and pipedream-2bw never flush: pipedream.py)")
     group.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
     group.add_argument("--recompute", action="store_true",
                        help="keep only each stage's input and recompute its forward during backward")
     group.add_argument("--p2p", default="batched", help="batched | ordered: how paired sends and receives are posted")
     group.add_argument("--deallocate", action="store_true",
                        help="free each output's storage once it is sent, keeping its autograd graph")
-    pipedream.add_flags(group)
+    for add_on in ADD_ONS:
+        add_on.add_flags(group)
     group = p.add_argument_group("parallelism", "data and tensor parallelism beside the pipeline")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     group = p.add_argument_group("model", "the transformer's size")
@@ -150,14 +151,14 @@ def check_model(args):
 
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
-    if args.schedule not in (*SCHEDULES, *PIPEDREAM):
-        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *PIPEDREAM))}")
+    if args.schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join(SCHEDULE_NAMES)}")
     if args.p2p not in ORDERINGS:
         raise ConfigError(f"--p2p {args.p2p} is unknown: use {' or '.join(ORDERINGS)}")
     interleaved = args.schedule == "interleaved"
     if interleaved != (args.virtual_stages > 1):
         raise ConfigError(f"--virtual-stages {args.virtual_stages} does not fit --schedule {args.schedule}: "
-                          "interleaved needs at least 2 virtual stages, the others exactly 1")
+                          "interleaved needs at least 2 virtual stages, the other schedules exactly 1")
     if not interleaved:
         return
     if args.pp < 2:
@@ -225,19 +226,26 @@ def check_memory(args, world: int, cuda_available: bool):
 
 
 def family(args):
-    """The module that runs and describes args.schedule, schedule.py (flushed) or pipedream.py: train.py and
-    report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm, microbatches)), the
-    formulas bubble_formula(args) and peak_stored_microbatches(args, stage), stage_class(args, model,
+    """The module that runs and describes args.schedule: the add-on whose SCHEDULES has it, else schedule.py
+    (flushed); train.py and report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm,
+    microbatches)), bubble_formula(args), peak_stored_microbatches(args, stage), stage_class(args, model,
     before_update), train_steps(run, flushed_steps, *pieces), peaks(run) and report_lines(args, record, ...)."""
-    return pipedream if args.schedule in PIPEDREAM else schedule
+    return next((add_on for add_on in ADD_ONS if args.schedule in add_on.SCHEDULES), schedule)
+
+
+def model_chunks(args, stage: int):
+    """(this rank's global model chunks, how many in all), as args.schedule's family places them. PipeDream
+    (v = 1) places them as 1F1B does, so schedule.py answers for it."""
+    module = family(args)
+    return (schedule if module is pipedream else module).model_chunks(args, stage)
 
 
 def stages_bytes(args):
     """budget.stage_bytes of each stage, holding the peak stored (chunk, microbatch) pairs of its schedule's
-    formula, each of a chunk of layers / (pp x v) layers."""
+    formula, each of a chunk of layers / chunks layers, chunks the model's (model_chunks)."""
     module = family(args)
-    v = args.virtual_stages
-    return [stage_bytes(args, module.peak_stored_microbatches(args, s)[1], args.pp * v, v) for s in range(args.pp)]
+    mine, chunks = model_chunks(args, 0)
+    return [stage_bytes(args, module.peak_stored_microbatches(args, s)[1], chunks, len(mine)) for s in range(args.pp)]
 
 
 def check_config(args, world_size: int, cuda_available: bool):
@@ -255,8 +263,9 @@ def check_config(args, world_size: int, cuda_available: bool):
                           f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
                           "replica holds the same number of sequences")
     check_schedule(args)
-    try:  # PipeDream's own flags and rules (pipedream.py)
-        pipedream.check_flags(args)
+    try:  # each add-on's own flags and rules
+        for add_on in ADD_ONS:
+            add_on.check_flags(args, cuda_available)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_device(args.device, cuda_available)

@@ -281,9 +281,9 @@ def add_flags(group):
                        help="pipedream: backwards read the live weights, changed since their forward (a foil)")
 
 
-def check_flags(args):
+def check_flags(args, cuda_available: bool):
     """PipeDream's flags, and runs long enough for the version counts its report states: refused
-    before any work with a ValueError of one line (config.py)."""
+    before any work with a ValueError of one line (config.py, which passes every add-on cuda_available)."""
     for flag, on in (("--vertical-sync", args.vertical_sync), ("--no-weight-stashing", args.no_weight_stashing)):
         if on and args.schedule != "pipedream":
             raise ValueError(f"{flag} needs --schedule pipedream, not {args.schedule}")

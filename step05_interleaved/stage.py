@@ -14,13 +14,10 @@ With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
-With deallocate (Megatron's deallocate_output_tensor), once the output has been
-sent to the next stage its values are dropped: only its autograd node is needed
-for the backward, since the next stage returns d(loss)/d(output) and the last
-operation of a stage (a residual add) saves nothing of its own output.
-
-Two seams do nothing here, weights(mb) and backward_done(mb): PipeDream's stage
-(pipedream.py) overrides them to run on weight versions and update as it goes.
+With deallocate (Megatron's deallocate_output_tensor) a sent output's values are
+dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
+stage's last operation (a residual add) saves nothing of its own output. PipeDream's
+stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
@@ -60,7 +57,8 @@ class PipelineStage:
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):
-        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own."""
+        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own
+        (PipeDream's stage runs each microbatch on a weight version)."""
         return None
 
     def backward_done(self, mb):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from config import family, parse_flags
+from config import family, model_chunks, parse_flags
 from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
 from model import ModelConfig, Transformer, split_layers
@@ -57,11 +57,11 @@ class Run:
 
 
 def build_model(args, pgm):
-    """This rank's model chunks (virtual stages): global chunks stage, stage + pp, stage + 2 pp, ..."""
-    n_chunks = args.pp * args.virtual_stages
+    """This rank's model chunks (config.model_chunks: virtual stages stage, stage + pp, ...)."""
+    chunks, n_chunks = model_chunks(args, pgm.stage)
     layers_of_chunk = split_layers(args.layers, n_chunks)
     return VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
-                                     seed=args.seed) for g in range(pgm.stage, n_chunks, args.pp))
+                                     seed=args.seed) for g in chunks)
 
 
 def build(args, device) -> Run:
@@ -90,13 +90,14 @@ def replica_microbatches(run, inputs, targets):
 
 
 def share_loss(run, loss):
-    """Average the loss over replicas on the last stage, then broadcast it along each pipeline."""
+    """The batch's mean loss on every rank: summed along each pipeline (only the ranks that compute a
+    loss hold a nonzero value), then averaged over the replicas."""
     pgm = run.pgm
     value = torch.zeros((), device=run.device) if loss is None else loss.float()
-    if pgm.is_last:
+    dist.all_reduce(value, group=pgm.pp_group)
+    if pgm.dp > 1:
         dist.all_reduce(value, group=pgm.dp_group)
         value /= pgm.dp
-    dist.broadcast(value, src=pgm.last_stage_rank, group=pgm.pp_group)
     return value.item()
 
 
@@ -105,8 +106,7 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
     run.comm.begin_step()
-    run_schedule = family(run.args).SCHEDULES[run.args.schedule]
-    loss = run_schedule(run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    loss = family(run.args).SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.

@@ -73,7 +73,6 @@ class ProcessGroupManager:
         # Schedules never send past the ends until step 05, where activations go round the ring.
         self.next_rank = grid_rank((self.stage + 1) % pp, self.dp_rank, self.tp_rank, dp, tp)
         self.prev_rank = grid_rank((self.stage - 1) % pp, self.dp_rank, self.tp_rank, dp, tp)
-        self.last_stage_rank = grid_rank(pp - 1, self.dp_rank, self.tp_rank, dp, tp)
 
     @property
     def is_first(self) -> bool:

@@ -5,9 +5,8 @@ every microbatch goes backward, in the same order on every stage so each
 receive meets its send. The stage keeps the inputs and outputs of all m
 microbatches until their backward: activation memory grows with m.
 
-1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m
-backwards, so it has the same bubble, but starts each backward as early as
-possible. Stage s (of p) runs
+1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m backwards,
+so it has the same bubble, but starts each backward as early as possible. Stage s (of p) runs
     warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
     steady:    one forward then one backward, until every forward is done,
     cool-down: the remaining backwards.
@@ -24,7 +23,7 @@ import torch
 from stage import PipelineStage
 
 def bubble_formula(args):
-    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B).
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages.
 
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
@@ -241,6 +240,12 @@ def interleaved_forward_backward(stages, comm, microbatches):
 
 SCHEDULES = {"afab": afab_forward_backward, "1f1b": one_f_one_b_forward_backward,
              "interleaved": interleaved_forward_backward}
+
+
+def model_chunks(args, stage: int):
+    """(global indices of this rank's model chunks, how many chunks the model is cut into): with v virtual
+    stages, stage, stage + p, ..."""
+    return list(range(stage, args.pp * args.virtual_stages, args.pp)), args.pp * args.virtual_stages
 
 
 def stage_class(args, model, before_update):

@@ -25,9 +25,6 @@ from p2p import ORDERINGS
 import dualpipe
 import pipedream
 import schedule
-from dualpipe import SCHEDULES as TWO_WAY
-from pipedream import SCHEDULES as PIPEDREAM
-from schedule import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -37,6 +34,8 @@ class ConfigError(ValueError):
 REFUSAL_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after a refusal (refuse)
 MIN_TIMEOUT_S = 1.0  # --timeout's floor: the start-up's rendezvous runs under the same timeout
 MAX_SEED = (2**64 - 2**32) // 1_000_003  # model.py seeds with seed * 1_000_003 + crc32(name) < 2**64
+ADD_ONS = (pipedream, dualpipe)  # the schedule families beside schedule.py, each with its own flags and rules
+SCHEDULE_NAMES = [name for module in (schedule, *ADD_ONS) for name in module.SCHEDULES]
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,9 +61,8 @@ def build_parser(description=None):
     group.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (tp x dp))")
     group.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (m)")
     group.add_argument("--schedule", default=None,
-                       help="afab | 1f1b | interleaved | zb1p | dualpipe | dualpipev | pipedream | pipedream-2bw "
-                       "(default: interleaved if --virtual-stages > 1, else 1f1b; "
-                       "the last two never flush: pipedream.py)")
+                       help=" | ".join(SCHEDULE_NAMES) + " (default: interleaved if --virtual-stages > 1, else "
+                            "1f1b; pipedream and pipedream-2bw never flush: pipedream.py)")
     group.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (v)")
     group.add_argument("--recompute", action="store_true",
                        help="keep only each stage's input and recompute its forward during backward")
@@ -72,8 +70,8 @@ def build_parser(description=None):
     group.add_argument("--deallocate", action="store_true",
                        help="free each output's storage once it is sent, keeping its autograd graph "
                        "(always on with dualpipe and dualpipev, as in DeepSeek's code)")
-    pipedream.add_flags(group)
-    dualpipe.add_flags(group)
+    for add_on in ADD_ONS:
+        add_on.add_flags(group)
     group = p.add_argument_group("parallelism", "data and tensor parallelism beside the pipeline")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
@@ -172,7 +170,7 @@ def check_model(args):
     if chunks > args.layers:
         raise ConfigError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {chunks} model chunks "
                           f"cannot share --layers {args.layers}: each chunk needs a layer")
-    if args.schedule in PIPEDREAM and args.tie_embeddings and args.pp > 1:
+    if args.schedule in pipedream.SCHEDULES and args.tie_embeddings and args.pp > 1:
         raise ConfigError(f"--tie-embeddings with --pp {args.pp} does not fit --schedule {args.schedule}: the first "
                           "and last stage would have to sum their copies' gradients at every update, but "
                           "PipeDream's stages update at different times, each on versions of its own")
@@ -202,8 +200,8 @@ def check_zb1p(args):
 
 def check_schedule(args):
     """The schedule and the pipeline shape must fit together."""
-    if args.schedule not in (*SCHEDULES, *TWO_WAY, *PIPEDREAM):
-        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join((*SCHEDULES, *TWO_WAY, *PIPEDREAM))}")
+    if args.schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"--schedule {args.schedule} is unknown: use {', '.join(SCHEDULE_NAMES)}")
     if args.p2p not in ORDERINGS:
         raise ConfigError(f"--p2p {args.p2p} is unknown: use {' or '.join(ORDERINGS)}")
     interleaved = args.schedule == "interleaved"
@@ -238,7 +236,7 @@ def check_precision(args):
                           "must be at least 1")
     if not 0 <= args.clip_grad < math.inf:
         raise ConfigError(f"--clip-grad {args.clip_grad} must be 0 (off) or a positive global norm")
-    if args.schedule in PIPEDREAM and (args.precision != "fp32" or args.clip_grad):
+    if args.schedule in pipedream.SCHEDULES and (args.precision != "fp32" or args.clip_grad):
         flag = f"--precision {args.precision}" if args.precision != "fp32" else f"--clip-grad {args.clip_grad}"
         raise ConfigError(f"{flag} does not fit --schedule {args.schedule}: the half types' shared overflow "
                           "skip and the clipping norm are all-reduced over every stage at each step, but "
@@ -303,24 +301,23 @@ def check_memory(args, world: int, cuda_available: bool):
 
 
 def family(args):
-    """The module that runs and describes args.schedule: schedule.py, pipedream.py or dualpipe.py; train.py and
-    report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm, microbatches)), the formulas
-    bubble_formula(args, times=None) and peak_stored_microbatches(args, stage), stage_class, train_steps, peaks and
-    report_lines. The flushed two (schedule.py, dualpipe.py) also have schedule_of(args), which compute_gradients
-    runs, and model_chunks(args, stage); pipedream.py has neither (it trains through its own train_steps)."""
-    if args.schedule in TWO_WAY:
-        return dualpipe
-    return pipedream if args.schedule in PIPEDREAM else schedule
+    """The module that runs and describes args.schedule: the add-on whose SCHEDULES has it, else schedule.py
+    (flushed); train.py and report.py ask it, not the name. Each has SCHEDULES (name -> function(stages, comm,
+    microbatches)), bubble_formula(args), peak_stored_microbatches(args, stage), stage_class(args, model,
+    before_update), train_steps(run, flushed_steps, *pieces), peaks(run) and report_lines(args, record, ...)."""
+    return next((add_on for add_on in ADD_ONS if args.schedule in add_on.SCHEDULES), schedule)
 
 
 def model_chunks(args, stage: int):
-    """(this rank's global model chunks, how many in all): DualPipe's two (dualpipe.py), else schedule.py's."""
-    return (dualpipe if args.schedule in TWO_WAY else schedule).model_chunks(args, stage)
+    """(this rank's global model chunks, how many in all), as args.schedule's family places them. PipeDream
+    (v = 1) places them as 1F1B does, so schedule.py answers for it."""
+    module = family(args)
+    return (schedule if module is pipedream else module).model_chunks(args, stage)
 
 
 def stages_bytes(args):
     """budget.stage_bytes of each stage, holding the peak stored (chunk, microbatch) pairs of its schedule's
-    formula, each of a chunk of layers / chunks layers (model_chunks: pp x v, and two per rank in DualPipe)."""
+    formula, each of a chunk of layers / chunks layers, chunks the model's (model_chunks)."""
     module = family(args)
     mine, chunks = model_chunks(args, 0)
     return [stage_bytes(args, module.peak_stored_microbatches(args, s)[1], chunks, len(mine)) for s in range(args.pp)]
@@ -332,8 +329,6 @@ def check_config(args, world_size: int, cuda_available: bool):
         args.pp = max(world_size // max(args.dp * args.tp, 1), 1)
     if args.schedule is None:
         args.schedule = "interleaved" if args.virtual_stages > 1 else "1f1b"
-    if args.schedule in TWO_WAY:
-        args.deallocate = True  # DeepSeek's code frees every sent output (dualpipe.py)
     check_numbers(args)
     if args.tp * args.pp * args.dp != world_size:
         raise ConfigError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {args.tp * args.pp * args.dp} "
@@ -343,9 +338,9 @@ def check_config(args, world_size: int, cuda_available: bool):
                           f"{args.microbatches} = {args.dp * args.microbatches}: every microbatch of every "
                           "replica holds the same number of sequences")
     check_schedule(args)
-    try:  # PipeDream's and DualPipe's own flags and rules (pipedream.py, dualpipe.py)
-        pipedream.check_flags(args)
-        dualpipe.check_flags(args, cuda_available)
+    try:  # each add-on's own flags and rules
+        for add_on in ADD_ONS:
+            add_on.check_flags(args, cuda_available)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_device(args.device, cuda_available)

@@ -49,11 +49,9 @@ overlap (a CPU) that costs one F per link of the pipeline (idle_chains). --pairs
 pair as a forward and then a backward, each with its own commit; gloo runs it, while on in-order
 streams (the replay's model of NCCL, tests/replay.py) its batches deadlock, so it is CPU-only.
 
-This module is a schedule family, as schedule.py and pipedream.py are (config.family): SCHEDULES,
-schedule_of, bubble_formula and peak_stored_microbatches, and where the model's chunks go (model_chunks,
-twin_copies). Each rank runs on schedule.py's Stash, and DualPipe flushes as schedule.py's schedules do: its
-stages, training loop and report are theirs (stage_class, train_steps, peaks, report_lines). Its flag
-and rules are its own (add_flags, check_flags), which config.py calls.
+A schedule family (config.family, an add-on) with its own SCHEDULES, schedule_of, formulas, model
+chunks (model_chunks, twin_copies), flag and rules (add_flags, check_flags). It runs on schedule.py's
+Stash and flushes as schedule.py's schedules do, so their stages, training loop and report serve it.
 """
 from collections import deque
 from functools import partial
@@ -188,7 +186,10 @@ class TwoWayRank:
 
     def forward_backward(self, phase0: int, phase1: int, recv0=True):
         """F of phase0 and B of phase1, two different microbatches going opposite ways: one pair, whose
-        transfers go in the same batches. The stage's hook is where a GPU would overlap the two."""
+        transfers go in the same batches. One CPU thread runs them one after the other; on a GPU the
+        stage's hook is where the overlap goes: cut both into pieces (attention, MLP, their collectives)
+        and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
+        hides its expert all-to-all this way; its modules define their own overlapped_forward_backward."""
         if self.sequential_pairs:  # --pairs sequential: F's output leaves before B, B's gradient is waited for after F
             self.forward(phase0, recv=recv0)
             self.backward(phase1)
@@ -394,9 +395,11 @@ def check_shape(args):
 
 def check_flags(args, cuda_available: bool):
     """DualPipe's rules, refused before any work with a ValueError of one line (config.py). --pairs
-    sequential is DualPipe's, and a CPU's: on in-order streams (NCCL) its batches deadlock."""
+    sequential is DualPipe's, and a CPU's: on in-order streams (NCCL) its batches deadlock. It also sets
+    --deallocate, always on with dualpipe and dualpipev: DeepSeek's code frees every sent output."""
     if args.schedule in SCHEDULES:
         check_shape(args)
+        args.deallocate = True
     if args.pairs not in ("overlapped", "sequential"):
         raise ValueError(f"--pairs {args.pairs} is unknown: use overlapped or sequential")
     if args.pairs == "sequential" and args.schedule not in SCHEDULES:

@@ -23,10 +23,6 @@ embedding group, the first and last stage of each pipeline at the same
 (dp_rank, tp_rank), gives each copy the gradient of the shared matrix; both
 then take the same optimizer step and stay equal. Under tensor parallelism
 both copies are the same vocabulary rows, so shard meets shard.
-
-DualPipe's twins: each stage is held twice, on ranks r and p-1-r, each copy
-running one direction's microbatches; summing the copies' gradients gives the
-whole batch's, so both take the same optimizer step and stay equal.
 """
 import torch
 import torch.distributed as dist
@@ -70,8 +66,9 @@ def sum_embedding_grads(model, pgm):
 def sum_twin_gradients(named_grads: dict, group):
     """DualPipe: all-reduce (sum) each stage's gradients between its two copies, on ranks r and p-1-r.
 
-    Each copy summed the gradients of one direction's microbatches; the sum is the whole batch's.
-    Both ranks hold the same parameter names, so sorted by name their flat buffers line up."""
+    Each copy summed the gradients of one direction's microbatches; the sum is the whole batch's, so both
+    take the same optimizer step and stay equal. Both ranks hold the same parameter names, so sorted by
+    name their flat buffers line up."""
     all_reduce_flat([g for _, g in sorted(named_grads.items())], group, what="twin stage gradients")
 
 

@@ -23,21 +23,18 @@ The combined verbs of 1F1B, each one exchange:
     send_forward_recv_backward   send the newest output, receive the gradient of the oldest microbatch
     send_backward_recv_forward   send an input gradient, receive the next microbatch's input
 
-Why combined verbs, and why an ordering. In the steady state stage s sends an
-activation to s+1 while s+1 sends a gradient to s. If each side waited for its
-send to complete before it received, both would wait for ever (NCCL sends of
-large tensors block until matched; we must assume every send can). Two cures,
-two ways for `commit` to post its queue:
+In the steady state stage s sends an activation to s+1 while s+1 sends a
+gradient to s: if each waited for its send to complete before receiving, both
+would wait for ever (NCCL sends of large tensors block until matched; we must
+assume every send can). `commit` posts its queue one of two ways (--p2p):
 
-    batched  post the sends and receives together with batch_isend_irecv, one
-             fused operation: nothing waits for anything else to be posted.
-    ordered  Megatron's even/odd rule (its _p2p_ops): post non-blocking isend and
-             irecv one by one, activations before gradients, even stages send
-             first and odd stages receive first, then wait for all.
-             tests/replay.py completes each rank's operations in the order
-             posted, a conservative model (PyTorch's NCCL backend runs a lone
-             isend or irecv on one stream per peer pair); under it neighbours of
-             opposite parity meet, first operation with first.
+    batched  batch_isend_irecv: the sends and receives as one fused operation.
+    ordered  Megatron's even/odd rule (its _p2p_ops): isend and irecv one by one,
+             activations before gradients, even stages sending first and odd ones
+             receiving first, then wait for all. Under tests/replay.py's model,
+             which completes each rank's operations in the order posted (PyTorch's
+             NCCL backend runs a lone isend or irecv on one stream per peer pair;
+             a conservative model), neighbours of opposite parity meet, first with first.
 
 Non-blocking receives, the two verbs of the interleaved schedule:
 

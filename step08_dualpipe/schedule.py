@@ -5,24 +5,21 @@ every microbatch goes backward, in the same order on every stage so each
 receive meets its send. The stage keeps the inputs and outputs of all m
 microbatches until their backward: activation memory grows with m.
 
-1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m
-backwards, so it has the same bubble, but starts each backward as early as
-possible. Stage s (of p) runs
+1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m backwards,
+so it has the same bubble, but starts each backward as early as possible. Stage s (of p) runs
     warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
     steady:    one forward then one backward, until every forward is done,
     cool-down: the remaining backwards.
 At most min(p-s, m) microbatches are in flight on stage s at any time, so
 activation memory is bounded by the pipeline depth instead of m.
 
-ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits
-each backward into B, the input gradient the previous stage waits for, and W,
-the weight gradients nobody waits for (weight_grad_store.py). Stage s runs
-1F1B's warm-up and then, for each microbatch i, a forward while any remain,
-B of i, and W of i-s once i >= s; the last s W's close the step. Each stage
-postpones s W's, which fill the gaps where 1F1B waits for a gradient: the
-bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute time,
-while every stage holds at most p microbatches, 1F1B's first-stage peak.
-
+ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits each
+backward into B, the input gradient the previous stage waits for, and W, the weight
+gradients nobody waits for (weight_grad_store.py). Stage s runs 1F1B's warm-up, then
+for each microbatch i a forward while any remain, B of i, and W of i-s once i >= s;
+the last s W's close the step. The s postponed W's fill the gaps where 1F1B waits for
+a gradient: the bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute
+time, while every stage holds at most p microbatches, 1F1B's first-stage peak.
 DualPipe and DualPipeV (step 08, DeepSeek-V3) are a family of their own, in
 dualpipe.py, which runs its schedules on this module's Stash.
 
@@ -38,7 +35,7 @@ from weight_grad_store import WeightGradStore
 
 
 def bubble_formula(args, times=None):
-    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages (AFAB and 1F1B).
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages.
 
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.

@@ -17,13 +17,10 @@ With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
-With deallocate (Megatron's deallocate_output_tensor), once the output has been
-sent to the next stage its values are dropped: only its autograd node is needed
-for the backward, since the next stage returns d(loss)/d(output) and the last
-operation of a stage (a residual add) saves nothing of its own output.
-
-Two seams do nothing here, weights(mb) and backward_done(mb): PipeDream's stage
-(pipedream.py) overrides them to run on weight versions and update as it goes.
+With deallocate (Megatron's deallocate_output_tensor) a sent output's values are
+dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
+stage's last operation (a residual add) saves nothing of its own output. PipeDream's
+stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
 Step 08 can split a backward in two: backward(..., split=True) runs B, the
 input gradient, and leaves the Linear weight gradients queued as one W in the
@@ -59,8 +56,7 @@ def custom_backward(out, grad):
 
 
 class PipelineStage:
-    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch,
-    whole or split into B and W, with recompute, deallocation of sent outputs and the seams of PipeDream's stage
+    """One model chunk of this rank, as a schedule drives it: the forward and the backward of one microbatch
     (see the module's docstring). It holds no schedule state: which microbatch runs when is the schedule's."""
 
     def __init__(self, model, *, chunk=0, recompute=False, deallocate=False, meter=None,
@@ -71,7 +67,8 @@ class PipelineStage:
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):
-        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own."""
+        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own
+        (PipeDream's stage runs each microbatch on a weight version)."""
         return None
 
     def backward_done(self, mb):
@@ -113,16 +110,13 @@ class PipelineStage:
 
     def backward(self, mb, x, out, out_grad, split=False):
         """Backpropagate one microbatch through this stage; return d(loss)/d(input) (None on stage 0).
-
-        split (step 08): run B only. The Linear weight gradients wait in the WeightGradStore as one W,
-        and the microbatch keeps what they need (each Linear's input and output gradient) until then.
-        """
+        split (step 08): B only; the microbatch keeps what its W needs (each Linear's input and output gradient)."""
         key = (self.chunk, mb)
         with timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
             custom_backward(out, out_grad)
             self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
-        self.meter.release(key)  # autograd has freed what the forward saved
-        if split and self.meter.enabled:
+        self.meter.release((self.chunk, mb))
+        if split and self.meter.enabled:  # autograd has freed what the forward saved; W holds what it needs
             for t in WeightGradStore.held():
                 self.meter.keep(key, t)
         return None if self.is_first else x.grad
@@ -134,13 +128,8 @@ class PipelineStage:
         self.meter.release((self.chunk, mb))
 
     def overlapped_forward_backward(self, forward, backward):
-        """Run DualPipe's pair: a forward of this stage and a backward of another microbatch (dualpipe.py).
-
-        One CPU thread can only run them one after the other, drawn as one bracketed box (F&B). On a
-        GPU this is where the overlap goes: cut both into pieces (attention, MLP, their collectives)
-        and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
-        hides its expert all-to-all this way; its modules define their own overlapped_forward_backward.
-        """
+        """DualPipe's pair, a forward of this stage and a backward of another microbatch, run one after the
+        other and drawn as one bracketed box (F&B): where a GPU would overlap them (dualpipe.py)."""
         with timeline.span("F&B", chunk=self.chunk):
             forward()
             backward()

@@ -86,7 +86,7 @@ class Run:
 
 
 def build_model(args, pgm, tp):
-    """This rank's TP shard of its model chunks: virtual stages stage, stage + pp, ..., or DualPipe's two."""
+    """This rank's TP shard of its model chunks (config.model_chunks: virtual stages stage, stage + pp, ...)."""
     chunks, n_chunks = model_chunks(args, pgm.stage)
     layers_of_chunk = split_layers(args.layers, n_chunks)
     model = VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
@@ -130,7 +130,7 @@ def replica_microbatches(run, inputs, targets):
 
 def share_loss(run, loss):
     """The batch's mean loss on every rank: summed along each pipeline (only the ranks that compute a
-    loss hold one: the last stage, or DualPipe's two ends), then averaged over the replicas."""
+    loss hold a nonzero value), then averaged over the replicas."""
     pgm = run.pgm
     value = torch.zeros((), device=run.device) if loss is None else loss.float()
     dist.all_reduce(value, group=pgm.pp_group)

@@ -5,28 +5,25 @@ A layer y = x W^T has two gradients:
     B:  dx = dy W          the previous layer, and the previous stage, wait for it
     W:  dW = dy^T x        nobody waits for it until the optimizer step
 
-so a schedule may run B at once and W whenever the stage would otherwise idle
-(Qi et al. 2024, "Zero Bubble Pipeline Parallelism"). As in DeepSeek's DualPipe,
-the split lives in the Linear layer itself: `linear` is an autograd function
-whose backward always returns dx, and either computes dW at once or, while
-deferring, queues it as a closure in the WeightGradStore. Only forwards whose
-backward may be split (a splitting schedule's, inside splittable()) build it;
-any other takes F.linear, whose backward is autograd's own and costs what step
-07's does. One backward's
-closures form one W, filed under its (chunk, microbatch); `pop` runs the oldest
-W, so W's run in the order of their B's and each weight gradient sums its
-microbatches in the same order as an undivided backward would.
+so a schedule may run B at once and W whenever the stage would otherwise idle (Qi et
+al. 2024, "Zero Bubble Pipeline Parallelism"). As in DeepSeek's DualPipe, the split
+lives in the Linear layer itself: `linear` is an autograd function whose backward always
+returns dx, and either computes dW at once or, while deferring, queues it as a closure
+in the WeightGradStore. Only forwards whose backward may be split (a splitting
+schedule's, inside splittable()) build it; any other takes F.linear, whose backward is
+autograd's own and costs what step 07's does. One backward's closures form one W, filed
+under its (chunk, microbatch); `pop` runs the oldest W, so W's run in the order of their
+B's and each weight gradient sums its microbatches in the same order as an undivided
+backward would.
 
-Only the Linear weights wait. The RMSNorm gains and the embedding get their
-gradients during B, from autograd as before: they are a few vectors and one
-gather, a sliver of the backward's time, and splitting them would take an
-autograd function of their own each.
+Only the Linear weights wait. The RMSNorm gains and the embedding get their gradients
+during B, from autograd as before: they are a few vectors and one gather, a sliver of
+the backward's time, and splitting them would take an autograd function of their own each.
 
-With tensor parallelism the split needs nothing more: the all-reduce of a
-column-parallel layer's input gradient is the backward of f, an autograd node
-of its own that runs in B; the weight gradient of a shard is local. With mixed
-precision (step 07) W adds into the fp32 main_grad, as the gradient hook does
-for the gradients autograd accumulates.
+With tensor parallelism the split needs nothing more: the all-reduce of a column-parallel
+layer's input gradient is the backward of f, an autograd node of its own that runs in B;
+the weight gradient of a shard is local. With mixed precision (step 07) W adds into the
+fp32 main_grad, as the gradient hook does for the gradients autograd accumulates.
 """
 from collections import deque
 from contextlib import contextmanager
