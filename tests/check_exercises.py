@@ -8,6 +8,7 @@
 Each prints what it found, the first problem only, in a few lines, and exits 0 (passed) or 1 (failed).
 """
 import json
+import os
 import re
 import sys
 import tempfile
@@ -110,6 +111,7 @@ def equivalence_check(step_dir, world, flags):
     from test_equivalence import TINY, tolerances
 
     flags = [*TINY, *flags, "--timeout", "10"]  # a deadlock is named after 10 s, not 60
+    os.environ["PP_TEST_PG_TIMEOUT"] = "10"  # the ranks' default group too (step 01's verbs use it)
     label = " ".join(flags[len(TINY):-2])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -22,8 +22,6 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "exercise_proofs: every check of every exercise (tests/test_exercises.py), "
-                                       "run only with -m exercise_proofs")
     overrides = {}
     for item in config.getoption("--step-dir"):
         name, sep, path = item.partition("=")

@@ -1,15 +1,10 @@
-"""The exercises (tests/exercises.py, tests/exercise.py) are proven to work.
+"""The exercises (tests/exercises.py, tests/exercise.py) are proven to work, every one in the default run.
 
-For every exercise: its stubbed copy fails its first check with the stub's message; each typical wrong
-answer of the catalogue, applied to the course's own code as a small edit, fails, and the diagnosis names
-the right thing (its key words); the course's own code passes every check.
-
-The default run proves, in about 40 s, the catalogue's shape, the bad-input lines, the replay's report, and
-the stubs and wrong answers of every exercise whose first check is the replay, and of one of each other kind. Everything else (one run
-of every check of every exercise, about 10 minutes on 2 cores) is marked `exercise_proofs`, which only runs
-when asked for:
-
-    pytest -m exercise_proofs tests/test_exercises.py
+For every exercise: its stubbed copy fails its first check with the stub's message, in time; each typical
+wrong answer of the catalogue, applied to the course's own code as a small edit, fails, and the diagnosis
+names the right thing (its key words) with the hint that fits; the course's own code passes every check
+(each distinct replay and equivalence run once per step; the pytest checks are tests of this suite). About
+5 minutes on 2 cores, most of it launches of ranks that a stub or a wrong answer makes fail.
 """
 import ast
 import shutil
@@ -129,21 +124,28 @@ def test_stub_and_wrong_answers_fail(entry, tmp_path):
 
 
 def solution_checks(step):
-    """Every distinct check of the step's exercises, the pytest nodes joined into one run."""
+    """Every distinct check of the step's exercises: (replays and equivalence runs, the pytest node ids)."""
     checks, nodes = [], []
     for entry in (e for e in EXERCISES if e["step"] == step):
         for check in entry["checks"]:
-            if check[0] == "pytest":
-                nodes += [node for node in check[1:] if node not in nodes]
-            elif check not in checks:
-                checks.append(check)
-    return checks + ([("pytest", *nodes)] if nodes else [])
+            if check[0] != "pytest":
+                checks += [check] if check not in checks else []
+            else:
+                nodes += [node.format(step=step) for node in check[1:] if node.format(step=step) not in nodes]
+    return checks, nodes
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_course_code_passes_every_check(step):
-    """The solution is the course's own code: every check of the step's exercises passes on its folder."""
+    """The solution is the course's own code: every replay and equivalence run of the step's exercises passes
+    on its folder. Their pytest checks are tests of this suite, which runs them on the course's code: here
+    they must exist."""
     entry = next(e for e in EXERCISES if e["step"] == step)
-    for check in solution_checks(step):
+    checks, nodes = solution_checks(step)
+    for check in checks:
         passed, lines = exercise.run_check(check, entry, REPO / step)
         assert passed, f"{step}'s own code fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
+    if nodes:
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               "-o", "addopts=", *nodes], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and all(node in done.stdout for node in nodes), done.stdout + done.stderr
