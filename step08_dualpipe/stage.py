@@ -22,9 +22,8 @@ dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
 stage's last operation (a residual add) saves nothing of its own output. PipeDream's
 stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
-Step 08 can split a backward in two: backward(..., split=True) runs B, the
-input gradient, and leaves the Linear weight gradients queued as one W in the
-WeightGradStore; backward_weights(mb) runs that W later (weight_grad_store.py).
+Step 08 splits a backward in two: backward(..., split=True) runs B, the input gradient, and queues the
+Linear weight gradients as one W in the WeightGradStore, which backward_weights(mb) runs later.
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
