@@ -15,7 +15,7 @@ weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
 
   what one chunk computes: model.py (a chunk of the Transformer, parameters named as in the whole model),
       tensor_parallel.py (its layers split over TP ranks), weight_grad_store.py (the Linear whose backward splits)
-  who is whom and how tensors move: process_groups.py (the pp x dp x tp grid, DualPipe's twins), p2p.py (transfers
+  who is whom, how tensors move: process_groups.py (the pp x dp x tp grid, DualPipe's twins), p2p.py (transfers
       queued and committed; Megatron's verbs)
   one stage: stage.py (forward, backward, B and W of one microbatch)
   what a rank keeps, and the schedules: schedule.py (the Stash; AFAB, 1F1B, interleaved, ZB-H1; their formulas)
