@@ -3,7 +3,7 @@
 AFAB, GPipe's schedule: every microbatch goes forward through this stage, then
 every microbatch goes backward, in the same order on every stage so each
 receive meets its send. The stage keeps the inputs and outputs of all m
-microbatches until their backward: activation memory grows with m (step 04 fixes that).
+microbatches until their backward: activation memory grows with m (1F1B fixes that).
 
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.

@@ -41,9 +41,8 @@ def deallocate_output(out):
 def custom_backward(out, grad):
     """Megatron's custom_backward: out.backward(grad) checks that grad has out's shape, which
     deallocation shrank to one element; the autograd engine itself needs only out's graph node."""
-    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
-                                            create_graph=False, inputs=(), allow_unreachable=True,
-                                            accumulate_grad=True)
+    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+                                            inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 class PipelineStage:
@@ -56,8 +55,7 @@ class PipelineStage:
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):
-        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own
-        (PipeDream's stage runs each microbatch on a weight version)."""
+        """The weights mb's forward and recompute run on, {name: tensor}; None: the model's own (PipeDream's vary)."""
         return None
 
     def backward_done(self, mb):

@@ -3,10 +3,9 @@
     torchrun --nproc_per_node 4 step04_1f1b/train.py --microbatches 8 [--schedule afab] [--deallocate]
     torchrun --nproc_per_node 4 step04_1f1b/train.py --schedule pipedream [--vertical-sync]
 
-Same engine as step 03; the schedule now starts each microbatch's backward as soon as the
-pipeline allows, so a stage holds at most p - stage microbatches of activations instead of
-all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate frees sent
-outputs early. --schedule pipedream and pipedream-2bw (pipedream.py) run 1F1B with no flush.
+Same engine as step 03; each backward now starts as soon as the pipeline allows, so a stage holds at most p - stage
+microbatches of activations, not all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate
+frees sent outputs early; --schedule pipedream and pipedream-2bw (pipedream.py) run 1F1B with no flush.
 """
 import json
 import math

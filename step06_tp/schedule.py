@@ -3,15 +3,14 @@
 AFAB, GPipe's schedule: every microbatch goes forward through this stage, then
 every microbatch goes backward, in the same order on every stage so each
 receive meets its send. The stage keeps the inputs and outputs of all m
-microbatches until their backward: activation memory grows with m.
+microbatches until their backward: activation memory grows with m (1F1B fixes that).
 
 1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m backwards,
 so it has the same bubble, but starts each backward as early as possible. Stage s (of p) runs
     warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
     steady:    one forward then one backward, until every forward is done,
     cool-down: the remaining backwards.
-At most min(p-s, m) microbatches are in flight on stage s at any time, so
-activation memory is bounded by the pipeline depth instead of m.
+At most min(p-s, m) microbatches are in flight on stage s: activation memory is bounded by p, not m.
 
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
@@ -137,8 +136,7 @@ def one_f_one_b_forward_backward(stages, comm, microbatches):
     for i in range(steady):
         fwd_mb, bwd_mb = warmup + i, i  # forward the newest microbatch, backward the oldest
         out = stash.forward(fwd_mb, x)
-        # Hand the output on and wait for the gradient of the oldest microbatch in one exchange:
-        # the next stage is sending that gradient to us right now.
+        # Hand the output on and wait for the oldest microbatch's gradient in one exchange: the next stage sends it now.
         out_grad = comm.send_forward_recv_backward(out)
         stash.deallocate(fwd_mb)
         input_grad = stash.backward(bwd_mb, out_grad)

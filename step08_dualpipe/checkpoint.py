@@ -43,7 +43,7 @@ moments, and the loss scaler's state among the facts. A checkpoint thus loads in
 except into fp16's dynamic loss scaler from a run that had none: its scale would be a guess.
 
 Step 08: DualPipe's reverse-direction copy of a stage, which another rank holds as its forward-direction
-stage, is marked `shared` (train.build_model): it is saved once, by that rank, and loads the same entry.
+stage, is marked `shared` (train.build): it is saved once, by that rank, and loads the same entry.
 """
 import json
 import os

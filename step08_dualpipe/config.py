@@ -189,13 +189,11 @@ def check_zb1p(args):
     """ZB-H1's hand-made order assumes a steady state on every stage, and its two exchanges per
     microbatch (B's gradient out before W, the next input in after it) need batched p2p."""
     if args.microbatches < args.pp:
-        raise ConfigError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} for zb1p: "
-                          "with fewer, stage 0 has no steady state and the order idles longer than "
-                          "its (p-1)(F+B-W)")
+        raise ConfigError(f"--microbatches {args.microbatches} must be at least --pp {args.pp} for zb1p: with "
+                          "fewer, stage 0 has no steady state and the order idles longer than its (p-1)(F+B-W)")
     if args.p2p != "batched" and args.pp > 1:
-        raise ConfigError(f"--p2p {args.p2p} does not fit --schedule zb1p: ordered sends deadlock when a "
-                          "stage sends a gradient in one exchange and receives an activation in the next; "
-                          "use --p2p batched")
+        raise ConfigError(f"--p2p {args.p2p} does not fit --schedule zb1p: ordered sends deadlock when a stage "
+                          "sends a gradient in one exchange and receives an activation in the next; use --p2p batched")
 
 
 def check_schedule(args):

@@ -64,11 +64,9 @@ def sum_embedding_grads(model, pgm):
 
 
 def sum_twin_gradients(named_grads: dict, group):
-    """DualPipe: all-reduce (sum) each stage's gradients between its two copies, on ranks r and p-1-r.
-
-    Each copy summed the gradients of one direction's microbatches; the sum is the whole batch's, so both
-    take the same optimizer step and stay equal. Both ranks hold the same parameter names, so sorted by
-    name their flat buffers line up."""
+    """DualPipe: all-reduce (sum) each stage's gradients between its two copies, on ranks r and p-1-r. Each
+    copy summed one direction's microbatches; the sum is the whole batch's, so both take the same optimizer
+    step and stay equal. Both hold the same parameter names: sorted by name, their flat buffers line up."""
     all_reduce_flat([g for _, g in sorted(named_grads.items())], group, what="twin stage gradients")
 
 

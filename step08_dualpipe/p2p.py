@@ -200,10 +200,9 @@ class PipelineComm:
         self.free += [t.detach() for t in received if t is not None]
 
     def _post(self, queued):
-        """Start the queued operations (together, or one by one in parity order); returns (works, operations
-        posted, in the order posted)."""
+        """Start the queued operations, together or one by one in parity order; returns (works, operations posted)."""
+        posted = [op for op, _ in queued]
         if self.ordering == "batched":
-            posted = [op for op, _ in queued]
             return dist.batch_isend_irecv(posted), posted
         # activations, then gradients; within each, even stages send first and odd stages receive first
         odd = self.stage % 2 == 1

@@ -3,25 +3,23 @@
 AFAB, GPipe's schedule: every microbatch goes forward through this stage, then
 every microbatch goes backward, in the same order on every stage so each
 receive meets its send. The stage keeps the inputs and outputs of all m
-microbatches until their backward: activation memory grows with m.
+microbatches until their backward: activation memory grows with m (1F1B fixes that).
 
 1F1B (PipeDream-Flush, Megatron-LM's default) runs the same m forwards and m backwards,
 so it has the same bubble, but starts each backward as early as possible. Stage s (of p) runs
     warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,
     steady:    one forward then one backward, until every forward is done,
     cool-down: the remaining backwards.
-At most min(p-s, m) microbatches are in flight on stage s at any time, so
-activation memory is bounded by the pipeline depth instead of m.
+At most min(p-s, m) microbatches are in flight on stage s: activation memory is bounded by p, not m.
 
-ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits each
-backward into B, the input gradient the previous stage waits for, and W, the weight
-gradients nobody waits for (weight_grad_store.py). Stage s runs 1F1B's warm-up, then
-for each microbatch i a forward while any remain, B of i, and W of i-s once i >= s;
-the last s W's close the step. The s postponed W's fill the gaps where 1F1B waits for
-a gradient: the bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in units of compute
-time, while every stage holds at most p microbatches, 1F1B's first-stage peak.
-DualPipe and DualPipeV (step 08, DeepSeek-V3) are a family of their own, in
-dualpipe.py, which runs its schedules on this module's Stash.
+ZB-H1 (step 08; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") splits each backward into B, the
+input gradient the previous stage waits for, and W, the weight gradients nobody waits for
+(weight_grad_store.py). Stage s runs 1F1B's warm-up, then for each microbatch i a forward while any
+remain, B of i, and W of i-s once i >= s; the last s W's close the step. The s postponed W's fill
+the gaps where 1F1B waits for a gradient: the bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), in
+units of compute time, while every stage holds at most p microbatches, 1F1B's first-stage peak.
+DualPipe and DualPipeV (step 08, DeepSeek-V3) are a family of their own, in dualpipe.py, which runs
+its schedules on this module's Stash.
 
 The Stash below is what every later schedule shares: it runs one microbatch
 forward or backward on the right stage and keeps what the backward needs.
@@ -39,8 +37,7 @@ def bubble_formula(args, times=None):
 
     With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
     ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
-    zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times gives the mean durations of one
-    forward, B and W (measured in the same run; equal if left out).
+    zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times: the mean F, B and W measured in the run (equal if None).
     """
     if args.schedule == "zb1p":
         f, b, w = times or (1, 1, 1)
@@ -67,7 +64,7 @@ def peak_stored_microbatches(args, stage: int):
 
 
 def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:
-    """Forwards stage `stage` runs before its first backward in 1F1B (and ZB-H1)."""
+    """Forwards stage `stage` runs before its first backward in 1F1B."""
     return min(pp - stage - 1, microbatches)
 
 
@@ -122,8 +119,7 @@ class Stash:
             out_grad = torch.full_like(out, stage.grad_scale_func(1.0) / len(self.microbatches))
         input_grad = stage.backward(mb, x, out, out_grad, split)
         if split:  # the stage's last Linear reads the received gradient as its dy in W: keep it until then
-            self.gradients[chunk, mb] = received[1]
-            received = received[:1]
+            self.gradients[chunk, mb], received = received[1], received[:1]
         self.comm.recycle(*received)
         return input_grad
 
@@ -171,8 +167,7 @@ def one_f_one_b_forward_backward(stages, comm, microbatches):
     for i in range(steady):
         fwd_mb, bwd_mb = warmup + i, i  # forward the newest microbatch, backward the oldest
         out = stash.forward(fwd_mb, x)
-        # Hand the output on and wait for the gradient of the oldest microbatch in one exchange:
-        # the next stage is sending that gradient to us right now.
+        # Hand the output on and wait for the oldest microbatch's gradient in one exchange: the next stage sends it now.
         out_grad = comm.send_forward_recv_backward(out)
         stash.deallocate(fwd_mb)
         input_grad = stash.backward(bwd_mb, out_grad)
@@ -300,7 +295,7 @@ def zb1p_forward_backward(stages, comm, microbatches):
 
     for mb in range(m - stage, m):  # the W's this stage postponed
         stash.backward_weights(mb)
-    assert WeightGradStore.empty(), "every W of the step has run"
+    assert not WeightGradStore.queue, "every W of the step has run"
     return stash.loss
 
 

@@ -22,9 +22,8 @@ dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
 stage's last operation (a residual add) saves nothing of its own output. PipeDream's
 stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
-Step 08 can split a backward in two: backward(..., split=True) runs B, the
-input gradient, and leaves the Linear weight gradients queued as one W in the
-WeightGradStore; backward_weights(mb) runs that W later (weight_grad_store.py).
+Step 08 splits a backward in two: backward(..., split=True) runs B, the input gradient, and queues the
+Linear weight gradients as one W in the WeightGradStore, which backward_weights(mb) runs later.
 
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
@@ -50,9 +49,8 @@ def deallocate_output(out):
 def custom_backward(out, grad):
     """Megatron's custom_backward: out.backward(grad) checks that grad has out's shape, which
     deallocation shrank to one element; the autograd engine itself needs only out's graph node."""
-    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
-                                            create_graph=False, inputs=(), allow_unreachable=True,
-                                            accumulate_grad=True)
+    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+                                            inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 class PipelineStage:
@@ -67,8 +65,7 @@ class PipelineStage:
         self.meter = meter or ActivationMeter(enabled=False)
 
     def weights(self, mb):
-        """The weights mb's forward and its recompute run on, {name: tensor}: None, the model's own
-        (PipeDream's stage runs each microbatch on a weight version)."""
+        """The weights mb's forward and recompute run on, {name: tensor}; None: the model's own (PipeDream's vary)."""
         return None
 
     def backward_done(self, mb):

@@ -3,34 +3,29 @@
     torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule zb1p
     torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule dualpipev
 
-A stage's backward runs in two parts: B, the gradient of its input, which the
-previous stage waits for, and W, its Linear weights' gradients, which wait in a
-FIFO store (weight_grad_store.py) until the schedule finds idle time for them.
---schedule zb1p runs 1F1B with stage s postponing s W's. --schedule dualpipe and
-dualpipev (dualpipe.py, DeepSeek-V3) send microbatches through the pipeline in two
-directions and pair a forward of one with a backward of the other (--pairs
-sequential, on a CPU: the pair's forward sends before its backward runs). The
-other schedules run each backward whole, as in step 07.
+A stage's backward runs in two parts: B, the gradient of its input, which the previous stage waits for, and W, its
+Linear weights' gradients, which wait in a FIFO store (weight_grad_store.py) until the schedule finds idle time for
+them. --schedule zb1p runs 1F1B with stage s postponing s W's. --schedule dualpipe and dualpipev (dualpipe.py,
+DeepSeek-V3) send microbatches through the pipeline in two directions and pair a forward of one with a backward of
+the other (--pairs sequential, on a CPU: the pair's forward sends before its backward runs). The other schedules
+run each backward whole, as in step 07.
 
-Opening the course here? This folder is the whole course in one program. New in this
-step: read weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
+Opening the course here? This folder is the whole course in one program. New in this step: read
+weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
 
-  what one chunk computes     model.py (a chunk of the Transformer, parameters named as in
-                              the whole model), tensor_parallel.py (its layers split over TP
-                              ranks), weight_grad_store.py (the Linear whose backward splits)
-  who is whom, how tensors    process_groups.py (the pp x dp x tp grid, DualPipe's twins),
-  move                        p2p.py (transfers queued and committed; Megatron's verbs)
-  one stage                   stage.py (forward, backward, B and W of one microbatch)
-  what a rank keeps, and the  schedule.py (the Stash; AFAB, 1F1B, interleaved, ZB-H1; their
-  schedules                   formulas)
-  DualPipe                    dualpipe.py (DualPipe and DualPipeV: a schedule family of its own)
-  after the schedule          finalize_grads.py (data-parallel average, tied-embedding and twin
-                              sums), mixed_precision.py and loss_scaler.py (the optimizer step)
-  flags and build             config.py (flags and their rules; which family runs a schedule),
-                              budget.py, data.py, distributed.py, faults.py, checkpoint.py,
-                              and this file: build, one step, the training loop
-  what is measured            timeline.py, memory.py, report.py, plots.py
-  the side road               pipedream.py (PipeDream: 1F1B with no flush, step 04)
+  what one chunk computes: model.py (a chunk of the Transformer, parameters named as in the whole model),
+      tensor_parallel.py (its layers split over TP ranks), weight_grad_store.py (the Linear whose backward splits)
+  who is whom, how tensors move: process_groups.py (the pp x dp x tp grid, DualPipe's twins), p2p.py (transfers
+      queued and committed; Megatron's verbs)
+  one stage: stage.py (forward, backward, B and W of one microbatch)
+  what a rank keeps, and the schedules: schedule.py (the Stash; AFAB, 1F1B, interleaved, ZB-H1; their formulas)
+  DualPipe: dualpipe.py (DualPipe and DualPipeV: a schedule family of its own)
+  after the schedule: finalize_grads.py (data-parallel average, tied-embedding and twin sums), mixed_precision.py
+      and loss_scaler.py (the optimizer step)
+  flags and build: config.py (flags and their rules; which family runs a schedule), budget.py, data.py,
+      distributed.py, faults.py, checkpoint.py, and this file: build, one step, the training loop
+  what is measured: timeline.py, memory.py, report.py, plots.py
+  the side road: pipedream.py (PipeDream: 1F1B with no flush, step 04)
 """
 import json
 import math
@@ -89,12 +84,8 @@ def build_model(args, pgm, tp):
     """This rank's TP shard of its model chunks (config.model_chunks: virtual stages stage, stage + pp, ...)."""
     chunks, n_chunks = model_chunks(args, pgm.stage)
     layers_of_chunk = split_layers(args.layers, n_chunks)
-    model = VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
-                                      seed=args.seed, tp=tp) for g in chunks)
-    if twin_copies(args):  # the reverse direction's copy of a stage another rank also holds
-        for p in model[1].parameters():
-            p.shared = True  # count it once in the gradient norm (step 07)
-    return model
+    return VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
+                                     seed=args.seed, tp=tp) for g in chunks)
 
 
 def build(args, device) -> Run:
@@ -104,6 +95,9 @@ def build(args, device) -> Run:
     install(timeline)  # the engine records into this process's timeline
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
     model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp)).to(device, dtype)
+    if twin_copies(args):  # the reverse direction's copy of a stage another rank also holds
+        for p in model[1].parameters():
+            p.shared = True  # count it once in the gradient norm (step 07)
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
     meter = ActivationMeter(model)

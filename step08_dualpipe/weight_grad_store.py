@@ -5,25 +5,20 @@ A layer y = x W^T has two gradients:
     B:  dx = dy W          the previous layer, and the previous stage, wait for it
     W:  dW = dy^T x        nobody waits for it until the optimizer step
 
-so a schedule may run B at once and W whenever the stage would otherwise idle (Qi et
-al. 2024, "Zero Bubble Pipeline Parallelism"). As in DeepSeek's DualPipe, the split
-lives in the Linear layer itself: `linear` is an autograd function whose backward always
-returns dx, and either computes dW at once or, while deferring, queues it as a closure
-in the WeightGradStore. Only forwards whose backward may be split (a splitting
-schedule's, inside splittable()) build it; any other takes F.linear, whose backward is
-autograd's own and costs what step 07's does. One backward's closures form one W, filed
-under its (chunk, microbatch); `pop` runs the oldest W, so W's run in the order of their
-B's and each weight gradient sums its microbatches in the same order as an undivided
-backward would.
+so a schedule may run B at once and W whenever the stage would otherwise idle (Qi et al. 2024, "Zero Bubble
+Pipeline Parallelism"). As in DeepSeek's DualPipe, the split lives in the Linear layer itself: `Linear` is an
+autograd function whose backward always returns dx, and either computes dW at once or, while deferring, queues it
+as a closure in the WeightGradStore. Only forwards whose backward may be split (a splitting schedule's, inside
+splittable()) build it; any other takes F.linear, whose backward is autograd's own and costs what step 07's does.
+One backward's closures form one W, filed under its (chunk, microbatch); `pop` runs the oldest W, so W's run in the
+order of their B's and each weight gradient sums its microbatches in an undivided backward's order.
 
-Only the Linear weights wait. The RMSNorm gains and the embedding get their gradients
-during B, from autograd as before: they are a few vectors and one gather, a sliver of
-the backward's time, and splitting them would take an autograd function of their own each.
+Only the Linear weights wait: the RMSNorm gains and the embedding get theirs during B, from autograd; they are a
+few vectors and one gather (a sliver of the backward), and splitting them would need an autograd function each.
 
-With tensor parallelism the split needs nothing more: the all-reduce of a column-parallel
-layer's input gradient is the backward of f, an autograd node of its own that runs in B;
-the weight gradient of a shard is local. With mixed precision (step 07) W adds into the
-fp32 main_grad, as the gradient hook does for the gradients autograd accumulates.
+With tensor parallelism the split needs nothing more: a column-parallel layer's input-gradient all-reduce is the
+backward of f, an autograd node of its own that runs in B; a shard's weight gradient is local. With mixed precision
+(step 07) W adds into the fp32 main_grad, as the gradient hook does for autograd's gradients.
 """
 from collections import deque
 from contextlib import contextmanager
@@ -34,9 +29,8 @@ import torch.nn.functional as F
 
 
 class WeightGradStore:
-    """This process's weight gradients still to compute: one W per split B, keyed by (chunk, microbatch),
-    oldest first. It is the one record of which W's wait: a schedule asks it for the oldest, runs that,
-    and ends its step with the store empty."""
+    """This process's weight gradients still to compute: one W per split B, keyed by (chunk, microbatch), oldest
+    first; the one record of which W's wait. A schedule runs the oldest and ends its step with the store empty."""
 
     recording = False  # while True, linear builds the course's Linear, whose backward can defer dW
     deferring = False  # while True, linear's backward queues dW instead of computing it
@@ -60,8 +54,7 @@ class WeightGradStore:
     @classmethod
     @contextmanager
     def split(cls, key, enabled: bool = True):
-        """Within the block, queue the weight gradients of one backward (a B); then file them as the W of
-        key, (chunk, microbatch)."""
+        """Queue the weight gradients of the backward (a B) run within the block, as the W of key: (chunk, mb)."""
         cls.deferring = enabled
         try:
             yield
@@ -88,11 +81,6 @@ class WeightGradStore:
     def held(cls):
         """The tensors the newest W keeps alive until it runs: each Linear's output gradient and input."""
         return [t for closure in cls.queue[-1][1] for t in closure.args[1:]]
-
-    @classmethod
-    def empty(cls) -> bool:
-        """No W waits: a split schedule's step ends so."""
-        return not cls.queue
 
 
 def accumulate_weight_grad(weight, grad_output, x):

@@ -42,7 +42,7 @@ try:
     print(WeightGradStore.oldest(), end=" ")
     for key in order:
         WeightGradStore.pop(key)
-    print("ran", ran, "empty", WeightGradStore.empty())
+    print("ran", ran, "empty", not WeightGradStore.queue)
 except AssertionError as err:
     print("refused:", err)
 """
