@@ -74,14 +74,6 @@ class ProcessGroupManager:
         self.next_rank = grid_rank((self.stage + 1) % pp, self.dp_rank, self.tp_rank, dp, tp)
         self.prev_rank = grid_rank((self.stage - 1) % pp, self.dp_rank, self.tp_rank, dp, tp)
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.pp - 1
-
 
 def describe_rank(rank: int, dp: int, tp: int = 1) -> str:
     stage, dp_rank, tp_rank = grid_coordinates(rank, dp, tp)

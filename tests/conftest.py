@@ -22,6 +22,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "exercise_proofs: the launches that prove every exercise "
+                                       "(tests/test_exercises.py); run with -m exercise_proofs, as CI does once")
     overrides = {}
     for item in config.getoption("--step-dir"):
         name, sep, path = item.partition("=")

@@ -1,10 +1,17 @@
-"""The exercises (tests/exercises.py, tests/exercise.py) are proven to work, every one in the default run.
+"""The exercises (tests/exercises.py, tests/exercise.py) are proven to work.
 
 For every exercise: its stubbed copy fails its first check with the stub's message, in time; each typical
 wrong answer of the catalogue, applied to the course's own code as a small edit, fails, and the diagnosis
 names the right thing (its key words) with the hint that fits; the course's own code passes every check
-(each distinct replay and equivalence run once per step; the pytest checks are tests of this suite). About
-5 minutes on 2 cores, most of it launches of ranks that a stub or a wrong answer makes fail.
+(each distinct replay and equivalence run once per step; the pytest checks are tests of this suite, which
+runs them on the course's code: here they must exist).
+
+The default run (about a minute) proves the catalogue's shape, the bad-input lines, the replay's report,
+every exercise graded first by the replay and one of each other kind, and the replays of the course's own
+code. The rest launches ranks for every stub and wrong answer (about 4 minutes on 2 cores): it is marked
+`exercise_proofs`, and CI (.ci/run) runs it once, after the suite:
+
+    pytest -m exercise_proofs tests/test_exercises.py
 """
 import ast
 import shutil
@@ -20,6 +27,13 @@ from conftest import STEPS
 from exercises import EXERCISES
 
 REPO = Path(__file__).resolve().parent.parent
+# Proven in the default run: the exercises graded first by the replay (seconds each), and one of each other kind.
+DEFAULT = [e["id"] for e in EXERCISES if e["checks"][0][0] == "replay" or e["id"] in ("01.naive", "07.scaler")]
+
+
+def proofs_asked(request):
+    if "exercise_proofs" not in (request.config.getoption("-m") or ""):
+        pytest.skip("launches for every exercise: pytest -m exercise_proofs tests/test_exercises.py (CI runs it)")
 IDS = [e["id"] for e in EXERCISES]
 def prepared(entry, folder: Path, stub=False, wrong=None) -> Path:
     """A copy of the exercise's step in folder: stubbed, with one wrong answer applied, or as the course has it."""
@@ -114,38 +128,52 @@ def limit_s(entry):
     return 60 if entry["step"] in ("step06_tp", "step07_mixed_precision") else 30
 
 
-@pytest.mark.parametrize("entry", EXERCISES, ids=IDS)
-def test_stub_and_wrong_answers_fail(entry, tmp_path):
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["id"], marks=() if e["id"] in DEFAULT
+                                                else pytest.mark.exercise_proofs) for e in EXERCISES])
+def test_stub_and_wrong_answers_fail(entry, tmp_path, request):
     """The stub fails check 1 with its message, in time (limit_s); each typical wrong answer fails a check,
     and the diagnosis names it (its key words) with the hint that fits."""
+    if entry["id"] not in DEFAULT:
+        proofs_asked(request)
     seconds = assert_stub_fails_first(entry, tmp_path / "stub")
     assert seconds < limit_s(entry), f"{entry['id']}: the stub's first failure took {seconds:.0f} s"
     assert_wrong_answers_fail(entry, tmp_path)
 
 
-def solution_checks(step):
-    """Every distinct check of the step's exercises: (replays and equivalence runs, the pytest node ids)."""
-    checks, nodes = [], []
+def solution_checks(step, kind):
+    """Every distinct check of one kind among the step's exercises (pytest: the node ids)."""
+    found = []
     for entry in (e for e in EXERCISES if e["step"] == step):
-        for check in entry["checks"]:
-            if check[0] != "pytest":
-                checks += [check] if check not in checks else []
-            else:
-                nodes += [node.format(step=step) for node in check[1:] if node.format(step=step) not in nodes]
-    return checks, nodes
+        for check in (c for c in entry["checks"] if c[0] == kind):
+            found += [c for c in ([n.format(step=step) for n in check[1:]] if kind == "pytest" else [check])
+                      if c not in found]
+    return found
 
 
-@pytest.mark.parametrize("step", STEPS)
-def test_course_code_passes_every_check(step):
-    """The solution is the course's own code: every replay and equivalence run of the step's exercises passes
-    on its folder. Their pytest checks are tests of this suite, which runs them on the course's code: here
-    they must exist."""
+def assert_course_code_passes(step, kind):
     entry = next(e for e in EXERCISES if e["step"] == step)
-    checks, nodes = solution_checks(step)
-    for check in checks:
+    for check in solution_checks(step, kind):
         passed, lines = exercise.run_check(check, entry, REPO / step)
         assert passed, f"{step}'s own code fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
-    if nodes:
-        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               "-o", "addopts=", *nodes], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and all(node in done.stdout for node in nodes), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("step", [s for s in STEPS if solution_checks(s, "replay")])
+def test_course_code_passes_its_replays(step):
+    """The solution is the course's own code: every replay of the step's exercises passes on its folder."""
+    assert_course_code_passes(step, "replay")
+
+
+def test_every_pytest_check_names_a_test_of_the_suite():
+    """The pytest checks are tests of this suite, which runs them on the course's own code: they must exist."""
+    nodes = [node for step in STEPS for node in solution_checks(step, "pytest")]
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-o", "addopts=", *nodes], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and all(node in done.stdout for node in nodes), done.stdout + done.stderr
+
+
+@pytest.mark.exercise_proofs
+@pytest.mark.parametrize("step", STEPS)
+def test_course_code_passes_its_equivalence_runs(step, request):
+    """Every equivalence run of the step's exercises passes on the course's own folder."""
+    proofs_asked(request)
+    assert_course_code_passes(step, "equivalence")
