@@ -31,7 +31,7 @@ So a swapped message or a backward of the wrong microbatch is caught, although
 no message carries a label.
 
 Negative controls, broken variants of the step's own schedule that the checker
-must catch, are in tests/replay_controls.py. Step 08's zb1p also logs each W: the
+must catch, are in tests/replay_controls.py; the command's report, in tests/replay_report.py. Step 08's zb1p also logs each W: the
 W's must follow their split B's in FIFO order, none left over; and its ideal
 timeline (tests/ideal.py, exact rational times) must idle (p-1)(F+B-W) on every
 rank, which 1F1B's order must fail. Step 08's DualPipe and DualPipeV have checks
@@ -39,19 +39,16 @@ of their own (tests/two_way.py), and so do PipeDream's weight versions
 (tests/weight_versions.py, step 04 on). The configurations are independent, so
 they are replayed on all of the machine's cores.
 """
-import json
 import os
 import sys
-import time
 from argparse import Namespace
 from collections import defaultdict, deque
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 import formulas
-from ideal import check_zb1p_bubble, is_split
-from replay_report import describe_exception, report_failures, summary
+from ideal import is_split
+from replay_report import describe_exception
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
 ACTIVATION, GRADIENT, TOKENS = 1.0, 2.0, 3.0
@@ -386,85 +383,10 @@ def swap_first_two_backwards(stages):
     stage.backward = backward
 
 
-def swap_first_two_sends(stream):
-    """A broken rank for a negative control: its first two posted groups that send swap places."""
-    first, second = [i for i, group in enumerate(stream) if any(op.is_send for op in group)][:2]
-    stream[first], stream[second] = stream[second], stream[first]
-
-
-def swap_activation_and_gradient(stream):
-    """A broken rank for a negative control: its first posted group that sends an activation and its first
-    that sends a gradient swap places."""
-    def first(kind):
-        return next(i for i, group in enumerate(stream) if any(op.is_send and op.tensor[0] == kind for op in group))
-    a, g = first(ACTIVATION), first(GRADIENT)
-    stream[a], stream[g] = stream[g], stream[a]
-
-
-def post_receives_first(stream):
-    """A broken rank for a negative control: each receive posted just before the send that preceded it."""
-    for i in range(1, len(stream)):
-        if all(op.is_send for op in stream[i - 1]) and not any(op.is_send for op in stream[i]):
-            stream[i - 1], stream[i] = stream[i], stream[i - 1]
-
-
-def check_on_every_core(step_dir, configurations):
-    """Step.check's problems for each (schedule, pp, m, v, ordering), in order. The replays are independent,
-    so they are spread over the machine's cores; each worker process loads the step once."""
-    with ProcessPoolExecutor(os.cpu_count(), initializer=_load_step, initargs=(step_dir,)) as pool:
-        return list(pool.map(_check, configurations, chunksize=8))
-
-
-_STEP = None  # a worker's Step
-
-
-def _load_step(step_dir):
-    global _STEP
-    _STEP = Step(step_dir)
-
-
-def _check(configuration):
-    name, pp, m, virtual, ordering = configuration
-    return _STEP.check(name, pp, m, ordering, virtual)
-
-
-def main(step_dir, as_json=False):
-    """Replay every configuration of the step; print the report (a summary, or JSON); return the exit status:
-    0 if every check passed, 1 if any found a problem."""
-    from replay_controls import negative_controls  # these import this module, so not at the top
-    from timeout_count import check_timeout_count  # step 04 on
-    from two_way import check_two_way  # step 08
-    from weight_versions import check_pipedream  # step 04 on
-
-    step, start = Step(step_dir), time.perf_counter()
-    allowed = list(step.configurations())
-    # A refused ordering must be one that really fails: the rules refuse no safe configuration.
-    refused = [(name, pp, m, v, ordering) for name, pp, m, v, ordering in step.configurations(allowed=False)
-               if ordering == "ordered" and step.allowed(name, pp, m, v, "batched")]
-    found = check_on_every_core(step_dir, allowed + refused)
-    problems = [problem for each in found[:len(allowed)] for problem in each]
-    refused_but_safe = [f"{name} pp={pp} m={m} v={v} p2p={ordering}"
-                        for (name, pp, m, v, ordering), each in zip(refused, found[len(allowed):]) if not each]
-    report = dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
-                  problem_count=len(problems), problems=problems[:50], refused_but_safe=refused_but_safe[:50])
-    parts = [("negative controls", negative_controls), ("timeout count", check_timeout_count)]
-    parts += [("zb1p ideal timeline", check_zb1p_bubble)] if "zb1p" in step.schedule.SCHEDULES else []
-    parts += [("DualPipe", check_two_way)] if "dualpipe" in step.schedules else []
-    parts += [("PipeDream", check_pipedream)] if os.path.exists(os.path.join(step_dir, "pipedream.py")) else []
-    for what, part in parts:
-        try:
-            report.update(part(step))
-        except Exception as error:  # noqa: BLE001 (a learner's code may raise anything: report, do not crash)
-            report.setdefault("part_errors", []).append(f"{what}: raised {describe_exception(error, step.folder)}")
-    failures = report_failures(report)
-    print(json.dumps(report) if as_json else summary(step_dir, report, failures))
-    return 1 if failures else 0
-
-
 if __name__ == "__main__":
-    import replay  # run as the module two_way.py imports, so that there is one class Op, one FakeDist
+    import replay_report  # whose main imports this file as `replay`, the module two_way.py imports: one Op, one FakeDist
 
     arguments = [a for a in sys.argv[1:] if a != "--json"]
     if len(arguments) != 1:
         sys.exit("usage: python tests/replay.py [--json] STEP_DIR")
-    sys.exit(replay.main(arguments[0], as_json="--json" in sys.argv[1:]))
+    sys.exit(replay_report.main(arguments[0], as_json="--json" in sys.argv[1:]))

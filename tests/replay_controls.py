@@ -9,8 +9,29 @@ in an order of its own instead of the one all ranks share (interleaved), must de
 Step 08's zb1p: two W's swapped, a W before its B and the last W left in the store must
 each fail check_weight_order.
 """
-from replay import (FakeDist, check_consumed, check_weight_order, match, post_receives_first,
-                    swap_activation_and_gradient, swap_first_two_sends)
+from replay import ACTIVATION, GRADIENT, FakeDist, check_consumed, check_weight_order, match
+
+
+def swap_first_two_sends(stream):
+    """A broken rank for a negative control: its first two posted groups that send swap places."""
+    first, second = [i for i, group in enumerate(stream) if any(op.is_send for op in group)][:2]
+    stream[first], stream[second] = stream[second], stream[first]
+
+
+def swap_activation_and_gradient(stream):
+    """A broken rank for a negative control: its first posted group that sends an activation and its first
+    that sends a gradient swap places."""
+    def first(kind):
+        return next(i for i, group in enumerate(stream) if any(op.is_send and op.tensor[0] == kind for op in group))
+    a, g = first(ACTIVATION), first(GRADIENT)
+    stream[a], stream[g] = stream[g], stream[a]
+
+
+def post_receives_first(stream):
+    """A broken rank for a negative control: each receive posted just before the send that preceded it."""
+    for i in range(1, len(stream)):
+        if all(op.is_send for op in stream[i - 1]) and not any(op.is_send for op in stream[i]):
+            stream[i - 1], stream[i] = stream[i], stream[i - 1]
 
 
 def negative_controls(step):

@@ -1,7 +1,11 @@
 """How tests/replay.py reports: a schedule that raised, in one line, and the whole report as a few readable
-lines with the failures first (tests/exercise.py and a learner running the replay read these)."""
+lines with the failures first (tests/exercise.py and a learner running the replay read these); main, the
+command's run over every configuration, on all of the machine's cores."""
+import json
 import os
+import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 
 
 def describe_exception(error, folder):
@@ -47,3 +51,60 @@ def summary(step_dir, report, failures, most=10):
     lines += [f"  {first}" + (f" (and {count - 1} alike)" if count > 1 else "") + f": {what}"
               for what, (first, count) in list(alike.items())[:most]]
     return "\n".join(lines + ["(python tests/replay.py --json STEP_DIR prints the whole report)"])
+
+
+def check_on_every_core(step_dir, configurations):
+    """Step.check's problems for each (schedule, pp, m, v, ordering), in order. The replays are independent,
+    so they are spread over the machine's cores; each worker process loads the step once."""
+    with ProcessPoolExecutor(os.cpu_count(), initializer=_load_step, initargs=(step_dir,)) as pool:
+        return list(pool.map(_check, configurations, chunksize=8))
+
+
+_STEP = None  # a worker's Step
+
+
+def _load_step(step_dir):
+    from replay import Step
+
+    global _STEP
+    _STEP = Step(step_dir)
+
+
+def _check(configuration):
+    name, pp, m, virtual, ordering = configuration
+    return _STEP.check(name, pp, m, ordering, virtual)
+
+
+def main(step_dir, as_json=False):
+    """Replay every configuration of the step; print the report (a summary, or JSON); return the exit status:
+    0 if every check passed, 1 if any found a problem."""
+    from ideal import check_zb1p_bubble
+    from replay import Step  # replay.py imports this module, so not at the top
+    from replay_controls import negative_controls
+    from timeout_count import check_timeout_count  # step 04 on
+    from two_way import check_two_way  # step 08
+    from weight_versions import check_pipedream  # step 04 on
+
+    step, start = Step(step_dir), time.perf_counter()
+    allowed = list(step.configurations())
+    # A refused ordering must be one that really fails: the rules refuse no safe configuration.
+    refused = [(name, pp, m, v, ordering) for name, pp, m, v, ordering in step.configurations(allowed=False)
+               if ordering == "ordered" and step.allowed(name, pp, m, v, "batched")]
+    found = check_on_every_core(step_dir, allowed + refused)
+    problems = [problem for each in found[:len(allowed)] for problem in each]
+    refused_but_safe = [f"{name} pp={pp} m={m} v={v} p2p={ordering}"
+                        for (name, pp, m, v, ordering), each in zip(refused, found[len(allowed):]) if not each]
+    report = dict(configurations=len(allowed), seconds=round(time.perf_counter() - start, 1),
+                  problem_count=len(problems), problems=problems[:50], refused_but_safe=refused_but_safe[:50])
+    parts = [("negative controls", negative_controls), ("timeout count", check_timeout_count)]
+    parts += [("zb1p ideal timeline", check_zb1p_bubble)] if "zb1p" in step.schedule.SCHEDULES else []
+    parts += [("DualPipe", check_two_way)] if "dualpipe" in step.schedules else []
+    parts += [("PipeDream", check_pipedream)] if os.path.exists(os.path.join(step_dir, "pipedream.py")) else []
+    for what, part in parts:
+        try:
+            report.update(part(step))
+        except Exception as error:  # noqa: BLE001 (a learner's code may raise anything: report, do not crash)
+            report.setdefault("part_errors", []).append(f"{what}: raised {describe_exception(error, step.folder)}")
+    failures = report_failures(report)
+    print(json.dumps(report) if as_json else summary(step_dir, report, failures))
+    return 1 if failures else 0
