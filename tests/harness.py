@@ -7,6 +7,7 @@ deadline, and only reads back the tensors they saved.
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -88,7 +89,18 @@ def failure_message(out: Path, texts, failed, stalled, timeout) -> str:
 
 
 def tail(text: str, n: int = 15) -> str:
-    return "\n".join("    " + line for line in text.strip().splitlines()[-n:])
+    """A rank's last words, indented: the end of its last Python traceback (frames and the exception's
+    line), else its last n lines. Whatever follows the exception's line (a C++ stack trace under
+    TORCH_SHOW_CPP_STACKTRACES=1, warnings at exit) is counted, not shown: it would push the frames out."""
+    lines = text.strip().splitlines()
+    plain = [re.sub(r"^\[rank\d+\]: ?", "", line) for line in lines]  # torch's prefix on a rank's traceback
+    starts = [i for i, line in enumerate(plain) if line.startswith("Traceback (most recent call last)")]
+    end = next((i for i in range(starts[-1] + 1, len(plain)) if plain[i][:1] not in " \t"), None) if starts else None
+    if end is None:
+        return "\n".join("    " + line for line in lines[-n:])
+    shown = lines[max(starts[-1], end + 1 - n):end + 1]
+    after = f"\n    ({len(lines) - end - 1} more lines)" if end + 1 < len(lines) else ""
+    return "\n".join("    " + line for line in shown) + after
 
 
 def run_cases(step_dir: Path, world: int, cases, out: Path, timeout: float = 240):

@@ -23,18 +23,22 @@ from pathlib import Path
 import pytest
 
 import exercise
+from check_exercises import failure_lines
 from conftest import STEPS
 from exercises import EXERCISES
+from harness import tail
 
 REPO = Path(__file__).resolve().parent.parent
 # Proven in the default run: the exercises graded first by the replay, seconds each.
 DEFAULT = [e["id"] for e in EXERCISES if e["checks"][0][0] == "replay"]
+IDS = [e["id"] for e in EXERCISES]
 
 
 def proofs_asked(request):
     if "exercise_proofs" not in (request.config.getoption("-m") or ""):
         pytest.skip("launches for every exercise: pytest -m exercise_proofs tests/test_exercises.py (CI runs it)")
-IDS = [e["id"] for e in EXERCISES]
+
+
 def prepared(entry, folder: Path, stub=False, wrong=None) -> Path:
     """A copy of the exercise's step in folder: stubbed, with one wrong answer applied, or as the course has it."""
     shutil.copytree(REPO / entry["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -121,6 +125,23 @@ def test_replay_reports_a_raising_schedule(tmp_path):
     assert done.returncode == 1 and len(lines) <= 15 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert "NCCL" in lines[0] and lines[2].startswith("  1f1b pp=1 m=1 v=1 p2p=batched (and 49 alike): the schedule "
                                                        "raised NotImplementedError: exercise 04.1f1b"), lines
+
+
+def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():
+    """A rank's traceback followed by a C++ stack trace (TORCH_SHOW_CPP_STACKTRACES=1) or warnings at exit:
+    the diagnosis still names the learner's frame and the exception. Control: the log's last 15 lines do not."""
+    log = ["Traceback (most recent call last):", '  File "/course/mine/pipeline.py", line 72, in send_backward',
+           "    dist.send(input_grad, dst=stage.index + 1)", "torch.distributed.DistStoreError: wait timeout",
+           "Exception raised from get at store.cpp:91 (most recent call first):",
+           *(f"#{i} c10::detail::frame{i}" for i in range(40))]
+    log = "\n".join(f"[rank1]: {line}" for line in log)
+    lines = failure_lines(f"rank 1 exited with an error at: step 0 forward/backward; last output:\n{tail(log)}",
+                          "/course/mine")
+    assert lines == ["rank 1 exited with an error at: step 0 forward/backward", "  at pipeline.py:72 in send_backward",
+                     "  torch.distributed.DistStoreError: wait timeout"], lines
+    last_15 = "\n".join(log.splitlines()[-15:])
+    control = failure_lines(f"rank 1 exited with an error at: step 0; last output:\n{last_15}", "/course/mine")
+    assert "send_backward" not in "\n".join(control), control
 
 
 def limit_s(entry):
