@@ -19,6 +19,7 @@ import torch
 
 from stage import PipelineStage
 
+
 def bubble_formula(args):
     """(text, value): idle fraction of each rank when m microbatches fill and drain p stages."""
     return "(p-1)/(m+p-1)", (args.pp - 1) / (args.microbatches + args.pp - 1)
@@ -26,9 +27,9 @@ def bubble_formula(args):
 
 def peak_stored_microbatches(args, stage: int):
     """(text, value): the most microbatches whose activations `stage` holds at once."""
-    if args.schedule == "afab":
-        return "m", args.microbatches
-    return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
+    if args.schedule == "1f1b":
+        return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
+    return "m", args.microbatches
 
 
 def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:

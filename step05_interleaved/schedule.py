@@ -21,6 +21,7 @@ import torch
 
 from stage import PipelineStage
 
+
 def bubble_formula(args):
     """(text, value): idle fraction of each rank when m microbatches fill and drain p stages.
 
@@ -35,13 +36,13 @@ def bubble_formula(args):
 
 def peak_stored_microbatches(args, stage: int):
     """(text, value): the most microbatches whose activations `stage` holds at once."""
-    if args.schedule == "afab":
-        return "m", args.microbatches
     if args.schedule == "1f1b":
         return "min(p-stage, m)", min(args.pp - stage, args.microbatches)
-    warmup = interleaved_warmup(args.pp, stage, args.microbatches, args.virtual_stages)
-    return ("min(2(p-stage-1) + (v-1)p + 1, v*m) (chunk, microbatch) pairs",
-            min(warmup + 1, args.virtual_stages * args.microbatches))
+    if args.schedule == "interleaved":
+        warmup = interleaved_warmup(args.pp, stage, args.microbatches, args.virtual_stages)
+        return ("min(2(p-stage-1) + (v-1)p + 1, v*m) (chunk, microbatch) pairs",
+                min(warmup + 1, args.virtual_stages * args.microbatches))
+    return "m", args.microbatches
 
 
 def warmup_microbatches(pp: int, stage: int, microbatches: int) -> int:

@@ -22,9 +22,6 @@ dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
 stage's last operation (a residual add) saves nothing of its own output. PipeDream's
 stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
-Step 08 splits a backward in two: backward(..., split=True) runs B, the input gradient, and queues the
-Linear weight gradients as one W in the WeightGradStore, which backward_weights(mb) runs later.
-
 `chunk` numbers this rank's model chunks: with virtual stages a rank holds
 several, and `chunk` tells them apart in the activation meter and the timeline.
 The timeline (timeline.span) and the activation meter only watch: off, the stage
@@ -112,7 +109,7 @@ class PipelineStage:
         with timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
             custom_backward(out, out_grad)
             self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
-        self.meter.release((self.chunk, mb))
+        self.meter.release(key)
         if split and self.meter.enabled:  # autograd has freed what the forward saved; W holds what it needs
             for t in WeightGradStore.held():
                 self.meter.keep(key, t)

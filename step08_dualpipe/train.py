@@ -3,12 +3,10 @@
     torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule zb1p
     torchrun --nproc_per_node 2 step08_dualpipe/train.py --schedule dualpipev
 
-A stage's backward runs in two parts: B, the gradient of its input, which the previous stage waits for, and W, its
-Linear weights' gradients, which wait in a FIFO store (weight_grad_store.py) until the schedule finds idle time for
-them. --schedule zb1p runs 1F1B with stage s postponing s W's. --schedule dualpipe and dualpipev (dualpipe.py,
-DeepSeek-V3) send microbatches through the pipeline in two directions and pair a forward of one with a backward of
-the other (--pairs sequential, on a CPU: the pair's forward sends before its backward runs). The other schedules
-run each backward whole, as in step 07.
+A backward runs in two parts: B, the input's gradient, which the previous stage waits for, and W, the weights'
+gradients, which wait until the schedule has idle time. --schedule zb1p is 1F1B with stage s postponing s W's;
+dualpipe and dualpipev (DeepSeek-V3) run microbatches both ways through the pipeline, pairing one's forward with
+another's backward (--pairs sequential on a CPU). The other schedules run each backward whole, as in step 07.
 
 Opening the course here? This folder is the whole course in one program. New in this step: read
 weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
