@@ -40,14 +40,6 @@ class ProcessGroupManager:
         self.next_rank = ((self.stage + 1) % pp) * dp + self.dp_rank
         self.prev_rank = ((self.stage - 1) % pp) * dp + self.dp_rank
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.pp - 1
-
 
 def describe_rank(rank: int, dp: int) -> str:
     stage, dp_rank = divmod(rank, dp)

@@ -58,7 +58,8 @@ class Run:
 def build_model(args, pgm):
     """This rank's stage of the model."""
     layer_ids = split_layers(args.layers, args.pp)[pgm.stage]
-    return Transformer(model_config(args), layer_ids, first=pgm.is_first, last=pgm.is_last, seed=args.seed)
+    return Transformer(model_config(args), layer_ids, first=pgm.stage == 0,
+                       last=pgm.stage == args.pp - 1, seed=args.seed)
 
 
 def build(args, device) -> Run:
