@@ -7,9 +7,6 @@ optimizer step sends the whole batch forward through the stages and the
 gradients back, then every rank updates its own parameters.
 """
 import json
-import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -18,7 +15,8 @@ import torch.distributed as dist
 
 from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown
+from distributed import (init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown,
+                         stop_if_diverged)
 from model import ModelConfig, Transformer, split_layers
 from pipeline import Stage, bubble_formula, naive_forward_backward
 from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
@@ -128,21 +126,6 @@ def flushed_steps(run):
     for step in range(run.args.steps):
         instrument(run, step)
         yield train_step(run, step)
-
-
-def stop_if_diverged(record):
-    """A loss that is not finite (on a step no loss scaler skipped) does not come back: end every rank with
-    one line and exit code 3. The check reads the loss every rank already holds (share_loss), so all ranks
-    stop at the same step and the hot path pays one comparison. Rank 0 prints before the barrier: no rank
-    exits, and so no rank is stopped by torchrun, before the line is written."""
-    if math.isfinite(record["loss"]) or record.get("skipped"):
-        return
-    if dist.get_rank() == 0:
-        print(f"error: the loss is {record['loss']} at step {record['step']}: training diverged "
-              "(a lower --lr?)", file=sys.stderr, flush=True)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(3)  # as shutdown(): no teardown
 
 
 def train(args):

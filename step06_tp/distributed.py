@@ -1,10 +1,12 @@
-"""Start-up of one rank under torchrun: which device, which backend, and a timeout.
+"""Start-up and end of one rank under torchrun: which device, which backend, a timeout; how a run ends.
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK for every process it starts. A
 GPU run uses NCCL with one device per rank (its LOCAL_RANK); a CPU run uses
 gloo. The timeout turns a schedule bug (a receive nobody sends) into an error
-instead of a silent hang.
+instead of a silent hang. A run ends together (shutdown), or with one line: a
+stalled or dead peer (one_line_errors), a loss that diverged (stop_if_diverged).
 """
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -67,6 +69,21 @@ def one_line_errors(timeout_s: float):
         print(line, file=sys.stderr, flush=True)
         faults.linger()  # rank 0 keeps the store it runs until the others have read it
         os._exit(1)  # no teardown: it would wait on the stalled peer again
+
+
+def stop_if_diverged(record):
+    """A loss that is not finite (on a step no loss scaler skipped) does not come back: end every rank with
+    one line and exit code 3. The check reads the loss every rank already holds (share_loss), so all ranks
+    stop at the same step and the hot path pays one comparison. Rank 0 prints before the barrier: no rank
+    exits, and so no rank is stopped by torchrun, before the line is written."""
+    if math.isfinite(record["loss"]) or record.get("skipped"):
+        return
+    if dist.get_rank() == 0:
+        print(f"error: the loss is {record['loss']} at step {record['step']}: training diverged "
+              "(a lower --lr?)", file=sys.stderr, flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(3)  # as shutdown(): no teardown
 
 
 def shutdown():

@@ -8,9 +8,6 @@ stages form a pipeline run by any schedule of steps 03-05, and dp copies of the
 whole grid train on different data. --tp 1 is step 05.
 """
 import json
-import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +18,7 @@ import torch.distributed as dist
 import checkpoint
 from config import family, model_chunks, parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown
+from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
 from finalize_grads import average_gradients, finalize_model_grads
@@ -153,21 +150,6 @@ def flushed_steps(run, start=0):
     for step in range(start, run.args.steps):
         instrument(run, step)
         yield train_step(run, step)
-
-
-def stop_if_diverged(record):
-    """A loss that is not finite (on a step no loss scaler skipped) does not come back: end every rank with
-    one line and exit code 3. The check reads the loss every rank already holds (share_loss), so all ranks
-    stop at the same step and the hot path pays one comparison. Rank 0 prints before the barrier: no rank
-    exits, and so no rank is stopped by torchrun, before the line is written."""
-    if math.isfinite(record["loss"]) or record.get("skipped"):
-        return
-    if dist.get_rank() == 0:
-        print(f"error: the loss is {record['loss']} at step {record['step']}: training diverged "
-              "(a lower --lr?)", file=sys.stderr, flush=True)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(3)  # as shutdown(): no teardown
 
 
 def train(args):
