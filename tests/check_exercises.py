@@ -131,20 +131,27 @@ def equivalence_check(step_dir, world, flags):
 
 def failure_lines(text, step_dir, most=8):
     """From a failed launch's report (every rank's last output): per rank, its status and the exception's
-    last line, with the frame of the learner's folder it came from."""
-    folder, lines, frame = str(Path(step_dir).resolve()), [], None
+    last line (or the crash faulthandler reported), with the frame of the learner's folder it came from."""
+    folder, lines, frame, crash = str(Path(step_dir).resolve()), [], None, None
     for line in text.splitlines():
         stripped = re.sub(r"^\[rank\d+\]:", "", line.strip()).strip()  # torch's prefix of a rank's traceback
         stripped = re.sub(r"^(harness\.)?RunFailed: ", "", stripped)
-        if stripped.startswith("rank ") and (" exited " in stripped or " stalled " in stripped):
+        if stripped.startswith("rank ") and any(f" {how} " in stripped for how in ("exited", "stalled", "killed")):
+            lines += ["  " + crash] if crash else []
             lines.append(re.sub(r"\[--.*?\]: ", "", stripped.split("; last output")[0]))  # the case's flags: shown
-            frame = None
+            frame, crash = None, None
+        elif stripped.startswith("Fatal Python error:"):  # faulthandler: the crash, then its frames, newest first
+            crash = stripped
         elif stripped.startswith(f'File "{folder}'):
             path, _, rest = stripped[6:].partition('", line ')
             frame = f"  at {Path(path).name}:{rest.replace(', in ', ' in ')}"
+            if crash:  # the crashed thread's newest frame in the learner's folder
+                lines += [frame, "  " + crash]
+                frame, crash = None, None
         elif stripped.startswith("error:") or (":" in stripped and stripped.split(":")[0].endswith(("Error", "Exception"))):
             lines += ([frame] if frame else []) + ["  " + stripped[:300]]
             frame = None
+    lines += ["  " + crash] if crash else []
     return list(dict.fromkeys(lines))[:most] or text.splitlines()[:most]
 
 

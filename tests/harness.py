@@ -8,6 +8,7 @@ deadline, and only reads back the tensors they saved.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
     for rank in range(world):
         log = open(out / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env(rank, world, port),
+        env = dict(rank_env(rank, world, port), PYTHONFAULTHANDLER="1")  # a crash in C++ prints the Python frames
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -72,17 +74,21 @@ def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
         log.close()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in stalled]
     if failed or stalled:
-        raise RunFailed(failure_message(out, texts, failed, stalled, timeout))
+        raise RunFailed(failure_message(out, texts, {r: procs[r].returncode for r in failed}, stalled, timeout))
     return texts
 
 
-def failure_message(out: Path, texts, failed, stalled, timeout) -> str:
+def failure_message(out: Path, texts, failed: dict, stalled, timeout) -> str:
+    """failed: {rank: its exit code}, negative where a signal killed it."""
     def last_status(rank):
         where = out / f"rank{rank}.status"
         return where.read_text() if where.exists() else "(no status written)"
 
-    lines = [f"rank {rank} exited with an error at: {last_status(rank)}; last output:\n{tail(texts[rank])}"
-             for rank in failed]
+    def ended(code):
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else "exited with an error"
+
+    lines = [f"rank {rank} {ended(code)} at: {last_status(rank)}; last output:\n{tail(texts[rank])}"
+             for rank, code in failed.items()]
     lines += [f"rank {rank} stalled for {timeout:.0f} s at: {last_status(rank)}; last output:\n{tail(texts[rank])}"
               for rank in stalled]
     return "\n".join(lines)
@@ -91,10 +97,16 @@ def failure_message(out: Path, texts, failed, stalled, timeout) -> str:
 def tail(text: str, n: int = 15) -> str:
     """A rank's last words, indented: the end of its last Python traceback (frames and the exception's
     line), else its last n lines. Whatever follows the exception's line (a C++ stack trace under
-    TORCH_SHOW_CPP_STACKTRACES=1, warnings at exit) is counted, not shown: it would push the frames out."""
+    TORCH_SHOW_CPP_STACKTRACES=1, warnings at exit) is counted, not shown: it would push the frames out.
+    A crash faulthandler reported shows its line and the crashed thread's frames (most recent first)."""
     lines = text.strip().splitlines()
     plain = [re.sub(r"^\[rank\d+\]: ?", "", line) for line in lines]  # torch's prefix on a rank's traceback
     starts = [i for i, line in enumerate(plain) if line.startswith("Traceback (most recent call last)")]
+    crash = next((i for i in reversed(range(len(plain))) if plain[i].startswith("Fatal Python error:")), None)
+    if crash is not None and (not starts or crash > starts[-1]):
+        current = next((i for i in range(crash, len(plain)) if plain[i].startswith("Current thread")), len(plain))
+        stop = next((i for i in range(current, len(plain)) if not plain[i].strip()), len(plain))
+        return "\n".join("    " + line for line in [lines[crash], *lines[current:stop][:n]])
     end = next((i for i in range(starts[-1] + 1, len(plain)) if plain[i][:1] not in " \t"), None) if starts else None
     if end is None:
         return "\n".join("    " + line for line in lines[-n:])

@@ -129,7 +129,8 @@ def test_replay_reports_a_raising_schedule(tmp_path):
 
 def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():
     """A rank's traceback followed by a C++ stack trace (TORCH_SHOW_CPP_STACKTRACES=1) or warnings at exit:
-    the diagnosis still names the learner's frame and the exception. Control: the log's last 15 lines do not."""
+    the diagnosis still names the learner's frame and the exception (control: the log's last 15 lines do not).
+    A rank that crashed: the crash and the crashed thread's newest frame in the learner's folder."""
     log = ["Traceback (most recent call last):", '  File "/course/mine/pipeline.py", line 72, in send_backward',
            "    dist.send(input_grad, dst=stage.index + 1)", "torch.distributed.DistStoreError: wait timeout",
            "Exception raised from get at store.cpp:91 (most recent call first):",
@@ -142,6 +143,17 @@ def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():
     last_15 = "\n".join(log.splitlines()[-15:])
     control = failure_lines(f"rank 1 exited with an error at: step 0; last output:\n{last_15}", "/course/mine")
     assert "send_backward" not in "\n".join(control), control
+    # A send to a rank that does not exist can crash gloo (SIGSEGV): faulthandler prints every thread's frames,
+    # newest first, the heartbeat's thread before the crashed one.
+    crash = ["Fatal Python error: Segmentation fault", "", "Thread 0x7f46 (most recent call first):",
+             '  File "/course/mine/faults.py", line 75 in _beat', "", "Current thread 0x7f47 (most recent call first):",
+             '  File "/usr/lib/torch/distributed/distributed_c10d.py", line 2652 in isend',
+             '  File "/course/mine/pipeline.py", line 72 in send_backward',
+             '  File "/course/mine/pipeline.py", line 97 in backward_step', "", "Extension modules: torch._C"]
+    lines = failure_lines(f"rank 1 was killed by SIGSEGV at: step 0; last output:\n{tail(chr(10).join(crash))}",
+                          "/course/mine")
+    assert lines == ["rank 1 was killed by SIGSEGV at: step 0", "  at pipeline.py:72 in send_backward",
+                     "  Fatal Python error: Segmentation fault"], lines
 
 
 def limit_s(entry):
