@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from replay_report import report_failures
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = sorted(p.name for p in REPO.glob("step0*") if p.is_dir())
 
@@ -62,15 +64,30 @@ def replay_report(step_dirs):
 
 
 @pytest.fixture(scope="session")
-def replay_passes(replay_report, step_dirs):
-    """check(step): fail at once, without launching processes, if the step's schedules fail the replay."""
+def replay_at_fault(replay_report):
+    """at_fault(step, schedule=None): whether the step's replay found a problem that concerns `schedule`
+    (any problem, if None). replay_report.main says which schedules each failure concerns."""
 
-    def check(step):
+    def at_fault(step, schedule=None) -> bool:
         report = replay_report(step)
-        if report and report["problems"]:
-            folder = step_dirs[step]
+        blamed = report["schedules_at_fault"] if report else []
+        return bool(blamed) if schedule is None else schedule in blamed
+
+    return at_fault
+
+
+@pytest.fixture(scope="session")
+def replay_passes(replay_report, replay_at_fault, step_dirs):
+    """check(step, schedule=None): fail at once, without launching processes, if the replay finds the step's
+    schedules (or `schedule`) at fault. A bug in one schedule leaves the tests of the others to run."""
+
+    def check(step, schedule=None):
+        if replay_at_fault(step, schedule):
+            report, folder = replay_report(step), step_dirs[step]
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
-            pytest.fail(f"{step}: the schedule replay fails, so no process is launched; first problem: "
-                        f"{report['problems'][0]} (run: python tests/replay.py {shown})", pytrace=False)
+            mine = [p for p in report["problems"] if schedule is None or p.startswith(f"{schedule} ")]
+            first = (mine or report_failures(report))[0]
+            pytest.fail(f"{step}: the schedule replay fails{f' for {schedule}' if schedule else ''}, so no process "
+                        f"is launched; first problem: {first} (run: python tests/replay.py {shown})", pytrace=False)
 
     return check

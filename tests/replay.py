@@ -387,6 +387,6 @@ if __name__ == "__main__":
     import replay_report  # whose main imports this file as `replay`, the module two_way.py imports: one Op, one FakeDist
 
     arguments = [a for a in sys.argv[1:] if a != "--json"]
-    if len(arguments) != 1:
-        sys.exit("usage: python tests/replay.py [--json] STEP_DIR")
+    if len(arguments) != 1 or not os.path.isfile(os.path.join(arguments[0], "schedule.py")):
+        sys.exit("usage: python tests/replay.py [--json] STEP_DIR (a step folder with a schedule.py)")
     sys.exit(replay_report.main(arguments[0], as_json="--json" in sys.argv[1:]))

@@ -14,6 +14,7 @@ launches ranks for every other stub and wrong answer and runs every check of the
     pytest -m exercise_proofs tests/test_exercises.py
 """
 import ast
+import json
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,21 @@ def test_replay_reports_a_raising_schedule(tmp_path):
     assert done.returncode == 1 and len(lines) <= 15 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert "NCCL" in lines[0] and lines[2].startswith("  1f1b pp=1 m=1 v=1 p2p=batched (and 49 alike): the schedule "
                                                        "raised NotImplementedError: exercise 04.1f1b"), lines
+
+
+def test_a_broken_schedule_blames_itself_alone(tmp_path):
+    """The replay's schedules_at_fault, by which conftest.replay_passes lets the tests of a step's other
+    schedules run: both typical wrong answers of 04.1f1b (one raises, one deadlocks on NCCL's streams)
+    blame 1F1B and PipeDream, which runs through 1F1B's function, never AFAB. (The course's own steps
+    blame none: tests/test_schedules.py.)"""
+    entry = exercise.BY_ID["04.1f1b"]
+    for i, wrong in enumerate(entry["wrong"]):
+        folder = prepared(entry, tmp_path / f"wrong{i}", wrong=wrong)
+        done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", str(folder)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        blamed = json.loads(done.stdout)["schedules_at_fault"]
+        assert blamed == ["1f1b", "pipedream", "pipedream-2bw"], (wrong[0], blamed)
 
 
 def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():

@@ -40,7 +40,7 @@ def torch_pp(step_dirs, tmp_path, mode, schedule, extra, step=STEP):
 
 @pytest.mark.parametrize("step, schedule, extra", TORCH_CASES, ids=[f"{c[0]}:{c[1]}" for c in TORCH_CASES])
 def test_gradients_bitwise_equal_to_torch_pipelining(step, schedule, extra, step_dirs, tmp_path, replay_passes):
-    replay_passes(step)
+    replay_passes(step, schedule)
     report = torch_pp(step_dirs, tmp_path, "grads", schedule, extra, step)
     assert all(rank["bitwise"] for rank in report["ranks"]), report
 

@@ -18,6 +18,7 @@ def test_schedule_order_is_complete_and_deadlock_free(step, replay_report):
     assert report["configurations"] >= 1000, report
     assert not report["problems"], "\n".join(report["problems"])
     assert not report["refused_but_safe"], f"the rules refuse configurations the replay proves safe: {report}"
+    assert not report["schedules_at_fault"], report["schedules_at_fault"]  # the gate of conftest.replay_passes
 
 
 @pytest.mark.parametrize("step", SCHEDULED)
@@ -96,7 +97,7 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
     formula says (with dp 2, rank r is stage r // 2); and each rank
     all-reduces its gradients once per step, after its last backward (after its last W, in zb1p: the
     weight gradients are complete only then)."""
-    replay_passes(step)
+    replay_passes(step, schedule)
     log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
     flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
              "--batch-size", str(dp * m), "--layers", "8", "--hidden", "32", "--heads", "2", "--seq-len", "16",

@@ -53,7 +53,7 @@ def four_stage_run(step_dirs, tmp_path_factory, replay_passes):
     cache = {}
 
     def run(step):
-        replay_passes(step)  # a schedule the replay rejects would only hang here until --timeout
+        replay_passes(step, "1f1b")  # the default; a schedule the replay rejects would only hang here
         if step not in cache:
             out = tmp_path_factory.mktemp(step)
             log, trace = out / "log.jsonl", out / "trace.json"
@@ -289,7 +289,7 @@ def ratio_problem(stdout: str, events, kinds=("forward", "B", "W")):
 def test_printed_pass_times_are_the_traces(step, schedule, step_dirs, tmp_path, replay_passes):
     """The F:B:W that step 08's report prints beside zb1p's and DualPipe's formulas are the mean forward, B and
     W boxes of the same run's trace. Control: the trace's forward, whole-backward and W boxes must not match."""
-    replay_passes(step)
+    replay_passes(step, schedule)
     trace = tmp_path / "trace.json"
     stdout = train_py(step_dirs[step], 2, "--schedule", schedule, "--steps", "3", "--trace", str(trace), out=tmp_path)
     events = json.loads(trace.read_text())["traceEvents"]
