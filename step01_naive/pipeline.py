@@ -49,6 +49,7 @@ class Stage:
 
 
 def recv_forward(stage: Stage):
+    """The previous stage's activation, into a new buffer: this stage waits here until that stage sends it."""
     x = torch.empty(stage.shape, device=stage.device)
     with stage.timeline.span("recv", what="recv activation"):
         dist.recv(x, src=stage.index - 1)  # blocks until stage-1 has finished its forward
@@ -56,11 +57,15 @@ def recv_forward(stage: Stage):
 
 
 def send_forward(stage: Stage, out):
+    """This stage's output to the next stage, which waits for it. Detached: only the values travel; the autograd
+    graph stays on this rank."""
     with stage.timeline.span("send", what="send activation"):
         dist.send(out.detach(), dst=stage.index + 1)
 
 
 def recv_backward(stage: Stage):
+    """The gradient of this stage's output, from the next stage: this stage waits here until that stage's backward
+    sends it."""
     grad = torch.empty(stage.shape, device=stage.device)
     with stage.timeline.span("recv", what="recv gradient"):
         dist.recv(grad, src=stage.index + 1)  # blocks until stage+1 has finished its backward
@@ -68,6 +73,7 @@ def recv_backward(stage: Stage):
 
 
 def send_backward(stage: Stage, input_grad):
+    """The gradient of this stage's input to the previous stage, which waits for it to run its backward."""
     with stage.timeline.span("send", what="send gradient"):
         dist.send(input_grad, dst=stage.index - 1)
 

@@ -30,6 +30,7 @@ def parse_args(argv=None):
 
 
 def model_config(args) -> ModelConfig:
+    """The whole model's shape, from the flags: every rank builds its part of the same model."""
     return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
 
 
@@ -112,6 +113,8 @@ def flushed_steps(run):
 
 
 def train(args):
+    """The training loop on this rank: build the run, then each optimizer step (rank 0 prints it and logs it to
+    --log-json; a diverged loss stops every rank), then the report."""
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
@@ -132,6 +135,7 @@ def train(args):
 
 
 def main(argv=None):
+    """Parse the flags, train, and close the process group; an error ends every rank with one line."""
     args = parse_args(argv)
     with one_line_errors(args.timeout):
         train(args)

@@ -48,6 +48,7 @@ SHAPE_FLAGS = ("layers", "hidden", "heads")  # the flags that fix the model's sh
 
 
 def folder_of(root: str, step: int) -> str:
+    """The checkpoint of `step` under root; zero-padded, so that the names sort by step."""
     return os.path.join(root, f"step{step:08d}")
 
 

@@ -49,6 +49,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def build_parser(description=None):
+    """The step's flags in argparse groups, with their defaults; check_config holds the rules between them."""
     p = Parser(description=description, formatter_class=HelpFormatter)
     group = p.add_argument_group("pipeline", "how the model is cut into stages and scheduled")
     group.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
@@ -112,6 +113,7 @@ def refuse(err, rank: int):
 
 
 def positive(args, *flags):
+    """Refuse each of flags whose value is not a positive number (nan included), naming the flag and the value."""
     for flag in flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if not value > 0:  # also refuses nan
@@ -119,6 +121,7 @@ def positive(args, *flags):
 
 
 def check_device(device: str, cuda_available: bool):
+    """Refuse a --device that is unknown, or cuda where no CUDA device is present."""
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device} is unknown: use auto, cpu or cuda")
     if device == "cuda" and not cuda_available:
@@ -126,6 +129,7 @@ def check_device(device: str, cuda_available: bool):
 
 
 def check_model(args):
+    """Refuse a model this step cannot build as flagged; each message names the flags and the rule."""
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if (args.hidden // args.heads) % 2:
@@ -162,6 +166,8 @@ def check_output(flag: str, path: str):
 
 
 def check_numbers(args):
+    """Refuse a count that is not positive, a learning rate or timeout that is not finite, a timeout too short for
+    the start-up, and a seed too large for the weights' generators."""
     positive(args, "--pp", "--dp", "--batch-size", "--microbatches", "--seq-len", "--layers", "--hidden", "--heads",
              "--steps", "--lr", "--timeout")
     if not math.isfinite(args.lr) or not math.isfinite(args.timeout):

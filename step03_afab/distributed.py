@@ -25,6 +25,8 @@ def world_from_env():
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
+    """The device this rank computes on: --device auto takes CUDA where there is one; on CUDA, the GPU of this rank's
+    local index on its node."""
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
@@ -53,6 +55,7 @@ def peak_memory_bytes(device: torch.device):
 
 
 def reset_peak_memory(device: torch.device):
+    """Start a new peak of CUDA memory, so that the report's peak is one step's; a CPU keeps none."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

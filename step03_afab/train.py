@@ -36,6 +36,7 @@ def parse_args(argv=None):
 
 
 def model_config(args) -> ModelConfig:
+    """The whole model's shape, from the flags: every rank builds its part of the same model."""
     return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
 
 
@@ -144,6 +145,9 @@ def flushed_steps(run, start=0):
 
 
 def train(args):
+    """The training loop on this rank: build the run (resumed from --resume), then each optimizer step (rank 0 prints
+    it and logs it to --log-json; a diverged loss stops every rank; a checkpoint when --save-every says so), then
+    the report."""
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
@@ -168,6 +172,7 @@ def train(args):
 
 
 def main(argv=None):
+    """Parse the flags, train, and close the process group; an error ends every rank with one line."""
     args = parse_args(argv)
     with one_line_errors(args.timeout):
         train(args)

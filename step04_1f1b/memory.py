@@ -21,6 +21,7 @@ import torch
 
 
 def storage_key(t: torch.Tensor) -> int:
+    """The storage a tensor's values live in: two views of one storage are counted once."""
     return t.untyped_storage().data_ptr()
 
 

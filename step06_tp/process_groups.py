@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 
 def grid_rank(stage: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    """The global rank at (stage, dp_rank, tp_rank): TP varies fastest, then DP, then the stage."""
     return (stage * dp + dp_rank) * tp + tp_rank
 
 
@@ -76,5 +77,6 @@ class ProcessGroupManager:
 
 
 def describe_rank(rank: int, dp: int, tp: int = 1) -> str:
+    """A rank's place in the grid, as the messages name it ('stage s, dp d', and ', tp t' with TP)."""
     stage, dp_rank, tp_rank = grid_coordinates(rank, dp, tp)
     return f"stage {stage}, dp {dp_rank}" + (f", tp {tp_rank}" if tp > 1 else "")

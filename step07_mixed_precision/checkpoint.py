@@ -62,6 +62,7 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "tie_embeddings")  # fix the model's
 
 
 def folder_of(root: str, step: int) -> str:
+    """The checkpoint of `step` under root; zero-padded, so that the names sort by step."""
     return os.path.join(root, f"step{step:08d}")
 
 

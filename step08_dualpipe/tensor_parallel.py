@@ -86,10 +86,12 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
 
 def copy_to_tp_region(x, tp: TPGroup):
+    """Megatron's f: the identity forward and the all-reduce of the gradient backward; with one TP rank, x itself."""
     return CopyToTPRegion.apply(x, tp) if tp.size > 1 else x
 
 
 def reduce_from_tp_region(x, tp: TPGroup):
+    """Megatron's g: the all-reduce forward and the identity backward; with one TP rank, x itself."""
     return ReduceFromTPRegion.apply(x, tp) if tp.size > 1 else x
 
 
