@@ -35,6 +35,7 @@ class Parser(argparse.ArgumentParser):
     """argparse whose usage errors (--pp x, an unknown flag) are refusals like any other: one line, exit 2."""
 
     def error(self, message):
+        """argparse's own errors as a ConfigError: one line that ends the run, as the course's rules do."""
         raise ConfigError(f"{message} (see --help)")
 
 

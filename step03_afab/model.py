@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 @dataclass
 class ModelConfig:
+    """The whole model's shape. Every rank builds its layers from the same config, so a parameter has the same name
+    and the same initial values on any layout."""
     vocab_size: int = 256  # byte-level tokens
     n_layers: int = 8
     hidden: int = 128
@@ -31,6 +33,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """The width of one attention head."""
         return self.hidden // self.n_heads
 
     @property

@@ -77,10 +77,12 @@ class PipelineComm:
 
     @property
     def is_first(self) -> bool:
+        """This rank holds the first stage: its input is the tokens, and it sends no input gradient."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
+        """This rank holds the last stage: its output is the loss, and it receives no output gradient."""
         return self.stage == self.num_stages - 1
 
     def begin_step(self):
@@ -209,21 +211,31 @@ class PipelineComm:
         return f"rank {dist.get_rank()} (stage {self.stage}) {verb} {'; '.join(waits)}"
 
     def recv_forward(self):
+        """The activation the previous stage sent, waited for (None on the first stage, whose input is the tokens)."""
         return None if self.is_first else self.communicate(recv_prev=True)[0]
 
     def send_forward(self, output):
+        """This stage's output to the next stage, whose recv_forward waits for it (nothing on the last stage)."""
         if not self.is_last:
             self.communicate(send_next=output)
 
     def recv_backward(self):
+        """The gradient of this stage's output from the next stage, waited for (None on the last stage, whose output
+        is the loss)."""
         return None if self.is_last else self.communicate(recv_next=True)[1]
 
     def send_backward(self, input_grad):
+        """The gradient of this stage's input to the previous stage, whose recv_backward waits for it (nothing on the
+        first stage)."""
         if not self.is_first:
             self.communicate(send_prev=input_grad)
 
     def send_forward_recv_backward(self, output):
+        """1F1B's steady state: an output to the next stage and an output gradient from it, posted together, so that
+        two neighbours that both send first cannot deadlock."""
         return None if self.is_last else self.communicate(send_next=output, recv_next=True)[1]
 
     def send_backward_recv_forward(self, input_grad):
+        """1F1B's steady state: an input gradient to the previous stage and the next activation from it, posted
+        together (as send_forward_recv_backward)."""
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]

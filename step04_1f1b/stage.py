@@ -67,6 +67,8 @@ class PipelineStage:
         return lm_loss(out, target) if self.is_last else out
 
     def forward(self, mb, x, target):
+        """Microbatch mb through this stage: x is the received activation (the tokens on the first stage). Keeps what
+        the backward needs; returns the output, the loss on the last stage."""
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
         weights = self.weights(mb)
         with timeline.span("forward", mb, chunk=self.chunk):

@@ -68,6 +68,8 @@ class PipelineStage:
         return lm_loss(out, target, self.model.tp) if self.is_last else out  # TP: from vocabulary slices
 
     def forward(self, mb, x, target):
+        """Microbatch mb through this stage: x is the received activation (the tokens on the first stage). Keeps what
+        the backward needs; returns the output, the loss on the last stage."""
         key = (self.chunk, mb)  # what the meter counts: one (virtual) microbatch
         weights = self.weights(mb)
         with timeline.span("forward", mb, chunk=self.chunk):
@@ -113,5 +115,6 @@ class VirtualStages(torch.nn.ModuleList):
     """
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """Every chunk's parameters under their global names, without the ModuleList's index."""
         for chunk in self:
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)

@@ -38,12 +38,15 @@ class ConstantGradScaler:
         return 1.0 / self.scale
 
     def update(self, found_inf: bool):
+        """Nothing to update: a constant scale never moves."""
         pass
 
     def state_dict(self) -> dict:
+        """Nothing to save: the scale is a flag (--loss-scale)."""
         return {}  # nothing changes; the scale comes from the command line
 
     def load_state_dict(self, state: dict):
+        """Nothing to load: the scale is a flag (--loss-scale)."""
         pass
 
 

@@ -70,6 +70,7 @@ class MixedPrecisionOptimizer:
 
     @property
     def loss_scale(self) -> float:
+        """The scale S the backward multiplies the loss by (1 without a scaler)."""
         return self.scaler.scale if self.scaler else 1.0
 
     def scale_loss(self, loss):
@@ -81,6 +82,8 @@ class MixedPrecisionOptimizer:
         return [p.main_grad if self.half else p.grad for p in self.params]
 
     def zero_grad(self):
+        """Forget the last step's gradients: each parameter's .grad and, in bf16 and fp16, the fp32 main_grad they
+        accumulate into."""
         for p in self.params:
             p.grad = None
             if self.half:

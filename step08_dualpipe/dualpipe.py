@@ -98,6 +98,7 @@ class TwoWayRank:
         self.sent = []  # (chunk, mb) whose output travels in the next commit, then is freed
 
     def chunk(self, phase: int) -> int:
+        """The chunk that runs phase's direction: chunk `phase`, swapped on DualPipe's lower half."""
         return phase ^ self.mirrored
 
     def peers(self, chunk: int):

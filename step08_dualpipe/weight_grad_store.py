@@ -39,6 +39,7 @@ class WeightGradStore:
 
     @classmethod
     def put(cls, closure):
+        """Keep a weight-gradient closure of the backward now running (a Linear's dW)."""
         cls.cache.append(closure)
 
     @classmethod
