@@ -1,7 +1,6 @@
 """Step 04 - one-forward-one-backward (1F1B): GPipe's bubble with activation memory bounded by p.
 
-    torchrun --nproc_per_node 4 step04_1f1b/train.py --microbatches 8 [--schedule afab] [--deallocate]
-    torchrun --nproc_per_node 4 step04_1f1b/train.py --schedule pipedream [--vertical-sync]
+    torchrun --nproc_per_node 4 step04_1f1b/train.py --microbatches 8 [--schedule afab|pipedream] [--deallocate]
 
 Same engine as step 03; each backward now starts as soon as the pipeline allows, so a stage holds at most p - stage
 microbatches of activations, not all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate

@@ -291,13 +291,11 @@ class PipelineComm:
             self.communicate(send_prev=input_grad)
 
     def send_forward_recv_backward(self, output):
-        """1F1B's steady state: an output to the next stage and an output gradient from it, posted together, so that
-        two neighbours that both send first cannot deadlock."""
+        """1F1B's steady state: send an output forward, receive an output gradient, in one exchange."""
         return None if self.is_last else self.communicate(send_next=output, recv_next=True)[1]
 
     def send_backward_recv_forward(self, input_grad):
-        """1F1B's steady state: an input gradient to the previous stage and the next activation from it, posted
-        together (as send_forward_recv_backward)."""
+        """1F1B's steady state: send an input gradient back, receive the next activation, in one exchange."""
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
     def irecv_forward(self):

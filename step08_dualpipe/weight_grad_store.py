@@ -102,9 +102,7 @@ class Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):  # [..., in], [out, in] -> [..., out]
         ctx.save_for_backward(x)
-        # The parameter itself, not a saved copy: W adds into its .grad (or main_grad), and a tensor
-        # unpacked from a saved-tensor hook (the activation meter's) is another object.
-        ctx.weight = weight
+        ctx.weight = weight  # itself, for W to add into: the meter's saved-tensor hook unpacks another object
         return F.linear(x, weight)
 
     @staticmethod
