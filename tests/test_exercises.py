@@ -6,7 +6,7 @@ names the right thing (its key words) with the hint that fits; the course's own 
 (each distinct replay and equivalence run once per step; the pytest checks are tests of this suite, which
 runs them on the course's code: here they must exist).
 
-The default run (about 40 s) proves the catalogue's shape, the bad-input lines, the replay's report, the
+The default run (about a minute) proves the catalogue's shape, the bad-input lines, the replay's report, the
 exercises graded first by the replay, and that every pytest check names a test of the suite. The rest
 launches ranks for every other stub and wrong answer and runs every check of the course's own code (about
 4 minutes on 2 cores): it is marked `exercise_proofs`, and CI (.ci/run) runs it once, after the suite:
