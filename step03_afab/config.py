@@ -114,7 +114,7 @@ def refuse(err, rank: int):
 
 
 def positive(args, *flags):
-    """Refuse each of flags whose value is not a positive number (nan included), naming the flag and the value."""
+    """Refuse each flag in `flags` whose value is not positive (nan included), naming the flag and the value."""
     for flag in flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if not value > 0:  # also refuses nan

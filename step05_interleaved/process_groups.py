@@ -42,6 +42,6 @@ class ProcessGroupManager:
 
 
 def describe_rank(rank: int, dp: int) -> str:
-    """A rank's place in the grid, as the messages name it ('stage s, dp d', and ', tp t' with TP)."""
+    """A rank's place in the grid, as the messages name it: 'stage s, dp d'."""
     stage, dp_rank = divmod(rank, dp)
     return f"stage {stage}, dp {dp_rank}"

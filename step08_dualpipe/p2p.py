@@ -109,12 +109,12 @@ class PipelineComm:
 
     @property
     def is_first(self) -> bool:
-        """This rank holds the first stage: its input is the tokens, and it sends no input gradient."""
+        """This rank is the pipeline's first: here the verbs receive no activation and send no input gradient."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
-        """This rank holds the last stage: its output is the loss, and it receives no output gradient."""
+        """This rank is the pipeline's last: here the verbs send no activation and receive no output gradient."""
         return self.stage == self.num_stages - 1
 
     def begin_step(self):

@@ -65,29 +65,28 @@ def replay_report(step_dirs):
 
 @pytest.fixture(scope="session")
 def replay_at_fault(replay_report):
-    """at_fault(step, schedule=None): whether the step's replay found a problem that concerns `schedule`
-    (any problem, if None). replay_report.main says which schedules each failure concerns."""
+    """at_fault(step, schedule): whether the step's replay found a problem that concerns `schedule`
+    (replay_report.main says which schedules each failure concerns)."""
 
-    def at_fault(step, schedule=None) -> bool:
+    def at_fault(step, schedule) -> bool:
         report = replay_report(step)
-        blamed = report["schedules_at_fault"] if report else []
-        return bool(blamed) if schedule is None else schedule in blamed
+        return bool(report) and schedule in report["schedules_at_fault"]
 
     return at_fault
 
 
 @pytest.fixture(scope="session")
 def replay_passes(replay_report, replay_at_fault, step_dirs):
-    """check(step, schedule=None): fail at once, without launching processes, if the replay finds the step's
-    schedules (or `schedule`) at fault. A bug in one schedule leaves the tests of the others to run."""
+    """check(step, schedule): fail at once, without launching processes, if the replay finds `schedule` at
+    fault. A bug in one schedule leaves the tests of the step's other schedules to run."""
 
-    def check(step, schedule=None):
+    def check(step, schedule):
         if replay_at_fault(step, schedule):
             report, folder = replay_report(step), step_dirs[step]
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
-            mine = [p for p in report["problems"] if schedule is None or p.startswith(f"{schedule} ")]
-            first = (mine or report_failures(report))[0]
-            pytest.fail(f"{step}: the schedule replay fails{f' for {schedule}' if schedule else ''}, so no process "
-                        f"is launched; first problem: {first} (run: python tests/replay.py {shown})", pytrace=False)
+            mine = [p for p in report["problems"] if p.startswith(f"{schedule} ")]
+            first = (mine or report["problems"] or report_failures(report))[0]  # PipeDream's: 1F1B's first
+            pytest.fail(f"{step}: the schedule replay fails for {schedule}, so no process is launched; first "
+                        f"problem: {first} (run: python tests/replay.py {shown})", pytrace=False)
 
     return check
