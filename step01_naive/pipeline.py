@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from model import lm_loss
-from timeline import Timeline
+from timeline import span
 
 
 def bubble_formula(args):
@@ -37,7 +37,6 @@ class Stage:
     count: int
     shape: tuple  # hidden states exchanged between stages: [batch, seq_len, hidden]
     device: torch.device
-    timeline: Timeline
 
     @property
     def is_first(self):
@@ -51,7 +50,7 @@ class Stage:
 def recv_forward(stage: Stage):
     """The previous stage's activation, into a new buffer: this stage waits here until that stage sends it."""
     x = torch.empty(stage.shape, device=stage.device)
-    with stage.timeline.span("recv", what="recv activation"):
+    with span("recv", what="recv activation"):
         dist.recv(x, src=stage.index - 1)  # blocks until stage-1 has finished its forward
     return x
 
@@ -59,7 +58,7 @@ def recv_forward(stage: Stage):
 def send_forward(stage: Stage, out):
     """This stage's output to the next stage, which waits for it. Detached: only the values travel; the autograd
     graph stays on this rank."""
-    with stage.timeline.span("send", what="send activation"):
+    with span("send", what="send activation"):
         dist.send(out.detach(), dst=stage.index + 1)
 
 
@@ -67,14 +66,14 @@ def recv_backward(stage: Stage):
     """The gradient of this stage's output, from the next stage: this stage waits here until that stage's backward
     sends it."""
     grad = torch.empty(stage.shape, device=stage.device)
-    with stage.timeline.span("recv", what="recv gradient"):
+    with span("recv", what="recv gradient"):
         dist.recv(grad, src=stage.index + 1)  # blocks until stage+1 has finished its backward
     return grad
 
 
 def send_backward(stage: Stage, input_grad):
     """The gradient of this stage's input to the previous stage, which waits for it to run its backward."""
-    with stage.timeline.span("send", what="send gradient"):
+    with span("send", what="send gradient"):
         dist.send(input_grad, dst=stage.index - 1)
 
 
@@ -85,7 +84,7 @@ def forward_step(stage: Stage, tokens, targets):
     the output for the backward. On the last stage the output is the loss.
     """
     x = tokens if stage.is_first else recv_forward(stage).requires_grad_()
-    with stage.timeline.span("forward"):
+    with span("forward"):
         out = stage.model(x)  # [b, T] token ids or [b, T, h] -> [b, T, h], or [b, T, vocab] logits
         if stage.is_last:
             out = lm_loss(out, targets)
@@ -97,7 +96,7 @@ def forward_step(stage: Stage, tokens, targets):
 def backward_step(stage: Stage, x, out):
     """Receive d(loss)/d(output) from the next stage, backpropagate, send d(loss)/d(input) back."""
     out_grad = None if stage.is_last else recv_backward(stage)  # the last stage starts from its loss
-    with stage.timeline.span("backward"):
+    with span("backward"):
         torch.autograd.backward(out, out_grad)
     if not stage.is_first:
         send_backward(stage, x.grad)

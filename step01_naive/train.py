@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, peak_memory_bytes, reset_peak_memory, shutdown,
-                         stop_if_diverged)
+from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
 from model import ModelConfig, Transformer, split_layers
-from pipeline import Stage, bubble_formula, naive_forward_backward
-from timeline import Timeline, bubble_report, gather_events, write_chrome_trace
+from pipeline import Stage, naive_forward_backward
+from report import gather_peaks, report
+from timeline import Timeline, install
 
 
 def parse_args(argv=None):
@@ -30,11 +30,6 @@ def parse_args(argv=None):
 def model_config(args) -> ModelConfig:
     """The whole model's shape, from the flags: every rank builds its part of the same model."""
     return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len)
-
-
-def describe_rank(rank: int) -> str:
-    """A rank as the messages name it: its stage."""
-    return f"stage {rank}"
 
 
 @dataclass
@@ -58,7 +53,8 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline = Timeline(index, device)
-    stage = Stage(model, index, args.pp, (args.batch_size, args.seq_len, args.hidden), device, timeline)
+    install(timeline)  # the engine records into this process's timeline
+    stage = Stage(model, index, args.pp, (args.batch_size, args.seq_len, args.hidden), device)
     return Run(args, device, model, optimizer, stage, load_tokens(args.data), timeline)
 
 
@@ -102,25 +98,6 @@ def train_step(run, step: int) -> dict:
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
     return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
-
-
-def gather_peaks(run) -> dict:
-    """Every rank's memory peaks of the last step, gathered once after training (all ranks call it)."""
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory_bytes(run.device))
-    return dict(peak_mem_bytes=peaks)
-
-
-def report(run):
-    """After training: the bubble per rank beside the formula, and the trace file."""
-    events = gather_events(run.timeline)
-    if dist.get_rank() != 0:
-        return
-    text, value = bubble_formula(run.args)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, describe_rank)))
-    if run.args.trace:
-        write_chrome_trace(events, run.args.trace, describe_rank)
-        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
 
 
 def flushed_steps(run):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from memory import ActivationMeter
 from model import lm_loss
-from timeline import Timeline
+from timeline import span
 
 
 def bubble_formula(args):
@@ -53,7 +53,6 @@ class Stage:
     count: int
     shape: tuple  # hidden states exchanged between stages: [microbatch, seq_len, hidden]
     device: torch.device
-    timeline: Timeline
     meter: ActivationMeter
     recompute: bool
 
@@ -69,7 +68,7 @@ class Stage:
 def recv_forward(stage: Stage):
     """The previous stage's activation, into a new buffer: this stage waits here until that stage sends it."""
     x = torch.empty(stage.shape, device=stage.device)
-    with stage.timeline.span("recv", what="recv activation"):
+    with span("recv", what="recv activation"):
         dist.recv(x, src=stage.index - 1)  # blocks until stage-1 has finished its forward
     return x
 
@@ -77,7 +76,7 @@ def recv_forward(stage: Stage):
 def send_forward(stage: Stage, out):
     """This stage's output to the next stage, which waits for it. Detached: only the values travel; the autograd
     graph stays on this rank."""
-    with stage.timeline.span("send", what="send activation"):
+    with span("send", what="send activation"):
         dist.send(out.detach(), dst=stage.index + 1)
 
 
@@ -85,14 +84,14 @@ def recv_backward(stage: Stage):
     """The gradient of this stage's output, from the next stage: this stage waits here until that stage's backward
     sends it."""
     grad = torch.empty(stage.shape, device=stage.device)
-    with stage.timeline.span("recv", what="recv gradient"):
+    with span("recv", what="recv gradient"):
         dist.recv(grad, src=stage.index + 1)  # blocks until stage+1 has finished its backward
     return grad
 
 
 def send_backward(stage: Stage, input_grad):
     """The gradient of this stage's input to the previous stage, which waits for it to run its backward."""
-    with stage.timeline.span("send", what="send gradient"):
+    with span("send", what="send gradient"):
         dist.send(input_grad, dst=stage.index - 1)
 
 
@@ -109,7 +108,7 @@ def forward_step(stage: Stage, mb: int, tokens, target):
     the output for the backward. On the last stage the output is the loss.
     """
     x = tokens if stage.is_first else recv_forward(stage).requires_grad_(not stage.recompute)
-    with stage.timeline.span("forward", mb):
+    with span("forward", mb):
         if stage.recompute:
             stage.meter.keep(mb, x)  # only the input is stored
             with torch.no_grad():
@@ -127,12 +126,12 @@ def backward_step(stage: Stage, mb: int, x, out, target, microbatches: int):
     """Receive d(loss)/d(output) for mb, backpropagate, send d(loss)/d(input) to the previous stage."""
     out_grad = None if stage.is_last else recv_backward(stage)
     if stage.recompute:
-        with stage.timeline.span("recompute", mb), stage.meter.saving(mb), torch.enable_grad():
+        with span("recompute", mb), stage.meter.saving(mb), torch.enable_grad():
             x = x.detach().requires_grad_(not stage.is_first)
             out = run_stage(stage, x, target)
     if stage.is_last:  # d(batch mean loss) / d(microbatch mean loss)
         out_grad = torch.full_like(out, 1 / microbatches)
-    with stage.timeline.span("backward", mb):
+    with span("backward", mb):
         torch.autograd.backward(out, out_grad)
     stage.meter.release(mb)
     if not stage.is_first:

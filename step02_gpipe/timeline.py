@@ -17,7 +17,8 @@ The bubble of a rank is the fraction of the step's pipeline window in which it
 did no compute: 1 - (forward + backward + recompute time) / window, where the window runs
 from the step's start to the end of the last compute event on any rank.
 
-A Timeline made with enabled=False records nothing and costs nothing.
+A Timeline made with enabled=False records nothing and costs nothing. The engine
+records into this process's Timeline (install, span) without being handed one.
 """
 import json
 import time
@@ -78,6 +79,30 @@ class Timeline:
             event["end"] = self.origin_s + self.origin.elapsed_time(end) / 1e3
             self.events.append(event)
         self.pending.clear()
+
+
+# This process's recorder. Each rank is its own process, so one Timeline serves the whole rank, read where
+# events happen, as torch.profiler.record_function reads the profiler that is running: train.build installs
+# the run's, and the engine (the verbs and the stages' compute, from step 03 the gradient reductions, from
+# step 06 TP's collectives) records through span(). Until one is installed it is off: a span costs nothing. A test installs its own.
+_recorder = Timeline(enabled=False)
+
+
+def install(timeline: Timeline) -> Timeline:
+    """Make `timeline` this process's recorder; returns the one it replaces."""
+    global _recorder
+    previous, _recorder = _recorder, timeline
+    return previous
+
+
+def recorder() -> Timeline:
+    """This process's recorder."""
+    return _recorder
+
+
+def span(kind: str, microbatch=None, **info):
+    """Timeline.span on this process's recorder: the body as one event, or nothing while it is off."""
+    return _recorder.span(kind, microbatch, **info)
 
 
 def gather_events(timeline: Timeline):

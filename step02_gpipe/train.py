@@ -21,7 +21,7 @@ from model import ModelConfig, Transformer, split_layers
 from memory import ActivationMeter
 from pipeline import Stage, gpipe_forward_backward
 from report import gather_peaks, report
-from timeline import Timeline
+from timeline import Timeline, install
 
 
 def parse_args(argv=None):
@@ -56,8 +56,9 @@ def build(args, device) -> Run:
     # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timeline, meter = Timeline(index, device), ActivationMeter(model)
+    install(timeline)  # the engine records into this process's timeline
     shape = (args.batch_size // args.microbatches, args.seq_len, args.hidden)  # one microbatch
-    stage = Stage(model, index, args.pp, shape, device, timeline, meter, args.recompute)
+    stage = Stage(model, index, args.pp, shape, device, meter, args.recompute)
     return Run(args, device, model, optimizer, stage, load_tokens(args.data), timeline, meter)
 
 

@@ -85,8 +85,8 @@ class Timeline:
 
 # This process's recorder. Each rank is its own process, so one Timeline serves the whole rank, read where
 # events happen, as torch.profiler.record_function reads the profiler that is running: train.build installs
-# the run's, and the engine (stages, the communicator, the gradient reductions, TP's collectives) records
-# through span(). Until one is installed it is off: a span costs nothing. A test installs its own.
+# the run's, and the engine (the verbs and the stages' compute, from step 03 the gradient reductions, from
+# step 06 TP's collectives) records through span(). Until one is installed it is off: a span costs nothing. A test installs its own.
 _recorder = Timeline(enabled=False)
 
 

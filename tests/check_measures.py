@@ -200,13 +200,13 @@ def check_recompute_input(model, memory, stage_module):
     return None
 
 
-def check_gpipe_recompute_input(model, memory, pipeline, timeline):
+def check_gpipe_recompute_input(model, memory, pipeline):
     """Step 02's GPipe: with recompute, forward_step stores exactly the microbatch's token ids."""
     cfg = model.ModelConfig(n_layers=1, hidden=32, n_heads=2, seq_len=8)
     net = model.Transformer(cfg, seed=0)
     meter = memory.ActivationMeter(net)
     tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, cfg.seq_len))
-    stage = pipeline.Stage(net, 0, 1, None, torch.device("cpu"), timeline.Timeline(enabled=False), meter, True)
+    stage = pipeline.Stage(net, 0, 1, None, torch.device("cpu"), meter, True)
     pipeline.forward_step(stage, 0, tokens, targets)
     if meter.live_bytes != tokens.untyped_storage().nbytes() or meter.peak_stored_microbatches != 1:
         return f"recompute stored {meter.live_bytes} bytes, expected the tokens' {tokens.untyped_storage().nbytes()}"
@@ -273,7 +273,7 @@ def main(step_dir):
         report["meter"] = check_meter(memory)
     if os.path.exists(os.path.join(step_dir, "pipeline.py")) and os.path.exists(os.path.join(step_dir, "memory.py")):
         import pipeline
-        report["recompute_input"] = check_gpipe_recompute_input(model, memory, pipeline, timeline)
+        report["recompute_input"] = check_gpipe_recompute_input(model, memory, pipeline)
     if os.path.exists(os.path.join(step_dir, "stage.py")):
         import stage
         report["recompute_input"] = check_recompute_input(model, memory, stage)
