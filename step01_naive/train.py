@@ -6,7 +6,6 @@ Every rank holds a contiguous slice of the layers (one pipeline stage). Each
 optimizer step sends the whole batch forward through the stages and the
 gradients back, then every rank updates its own parameters.
 """
-import json
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from data import get_batch, load_tokens
 from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
 from model import ModelConfig, Transformer, split_layers
 from pipeline import Stage, naive_forward_backward
-from report import gather_peaks, report
+from report import gather_peaks, log_step, open_log, report
 from timeline import Timeline, install
 
 
@@ -112,17 +111,11 @@ def train(args):
     --log-json; a diverged loss stops every rank), then the report."""
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
-    # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
-    # this rank through os._exit, which writes out no buffers.
-    log = open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    log = open_log(args)
     for step, record in enumerate(flushed_steps(run)):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
-        if dist.get_rank() == 0:
-            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
-                  f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
-            if log:
-                log.write(json.dumps(record) + "\n")
+        log_step(run, record, log)
         stop_if_diverged(record)
     if log:
         log.close()

@@ -8,7 +8,6 @@ and runs the AFAB schedule on the engine (process groups, point-to-point verbs,
 a stage wrapper); the replicas of each stage then average their gradients and
 every rank updates its own parameters.
 """
-import json
 import time
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from schedule import afab_forward_backward
 from stage import PipelineStage
-from report import gather_peaks, report
+from report import gather_peaks, log_step, open_log, report
 from timeline import Timeline, install
 
 
@@ -151,18 +150,11 @@ def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
-    # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
-    # this rank through os._exit, which writes out no buffers. A resumed run appends to its log.
-    mode = "a" if args.resume else "w"
-    log = open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    log = open_log(args)
     for step, record in enumerate(flushed_steps(run, start), start):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
-        if dist.get_rank() == 0:
-            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
-                  f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
-            if log:
-                log.write(json.dumps(record) + "\n")
+        log_step(run, record, log)
         stop_if_diverged(record)
         if checkpoint.due(args, step + 1):
             checkpoint.save(run, step + 1)

@@ -6,7 +6,6 @@ Same engine as step 03; each backward now starts as soon as the pipeline allows,
 microbatches of activations, not all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate
 frees sent outputs early; --schedule pipedream and pipedream-2bw (pipedream.py) run 1F1B with no flush.
 """
-import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +22,7 @@ from finalize_grads import average_gradients, finalize_model_grads
 from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
-from report import gather_peaks, report
+from report import gather_peaks, log_step, open_log, report
 from timeline import Timeline, install
 
 
@@ -150,20 +149,13 @@ def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
-    # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
-    # this rank through os._exit, which writes out no buffers. A resumed run appends to its log.
-    mode = "a" if args.resume else "w"
-    log = open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    log = open_log(args)
     records = family(args).train_steps(run, partial(flushed_steps, start=start), replica_microbatches, share_loss,
                                        start_recording)
     for step, record in enumerate(records, start):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
-        if dist.get_rank() == 0:
-            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
-                  f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
-            if log:
-                log.write(json.dumps(record) + "\n")
+        log_step(run, record, log)
         stop_if_diverged(record)
         if checkpoint.due(args, step + 1):
             checkpoint.save(run, step + 1)

@@ -1,11 +1,16 @@
-"""What rank 0 prints after training: each rank's measured memory and bubble beside the schedule's formulas.
+"""What rank 0 prints: one line per step (its record also goes to --log-json), and after training each rank's
+measured memory and bubble beside the schedule's formulas.
 
-    gather_peaks(run)          every rank's memory peaks of the last step (all ranks call it, once)
-    report(run, last_record)   the memory report, the bubble report and the trace file
+    open_log(args)               rank 0's --log-json file
+    log_step(run, record, log)   the step's line and its record (train.py calls it after every step)
+    gather_peaks(run)            every rank's memory peaks of the last step (all ranks call it, once)
+    report(run, last_record)     the memory report, the bubble report and the trace file
 
-train.py calls both after its last step. tests/check_formulas.py, tests/test_schedules.py and
+train.py calls the last two after its last step. tests/check_formulas.py, tests/test_schedules.py and
 tests/harness.py read the printed lines.
 """
+import json
+import math
 from functools import partial
 
 import torch.distributed as dist
@@ -24,6 +29,26 @@ def rank_name(args):
 def stage_of(args, rank: int) -> int:
     """The pipeline stage `rank` holds (rank = (stage x dp + replica) x tp + TP rank)."""
     return rank // (args.dp * args.tp)
+
+
+def open_log(args):
+    """Rank 0's --log-json file (None on the other ranks, or without the flag); a resumed run appends to it.
+    Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends this rank
+    through os._exit, which writes out no buffers."""
+    mode = "a" if args.resume else "w"
+    return open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+
+
+def log_step(run, record, log):
+    """Rank 0 prints the step's line and writes its record to the --log-json file."""
+    if dist.get_rank() != 0:
+        return
+    scaling = f"  scale 2^{math.log2(record['loss_scale']):g}" if run.optimizer.scaler else ""
+    print(f"step {record['step']:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
+          f"{record['tokens_per_s']:9.0f} tokens/s{scaling}{'  skipped' if record.get('skipped') else ''}",
+          flush=True)
+    if log:
+        log.write(json.dumps(record) + "\n")
 
 
 def gather_peaks(run) -> dict:

@@ -8,8 +8,6 @@ Megatron-LM's Float16OptimizerWithFloat16Params). fp16 scales the loss with a
 dynamic loss scaler, and an overflow on any rank makes every rank skip the step.
 --precision fp32 is step 06.
 """
-import json
-import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -29,7 +27,7 @@ from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from stage import VirtualStages
-from report import gather_peaks, report
+from report import gather_peaks, log_step, open_log, report
 from timeline import Timeline, install
 
 
@@ -165,22 +163,13 @@ def train(args):
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
-    # Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends
-    # this rank through os._exit, which writes out no buffers. A resumed run appends to its log.
-    mode = "a" if args.resume else "w"
-    log = open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    log = open_log(args)
     records = family(args).train_steps(run, partial(flushed_steps, start=start), replica_microbatches, share_loss,
                                        start_recording)
     for step, record in enumerate(records, start):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
-        if dist.get_rank() == 0:
-            scaling = f"  scale 2^{math.log2(record['loss_scale']):g}" if run.optimizer.scaler else ""
-            print(f"step {step:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
-                  f"{record['tokens_per_s']:9.0f} tokens/s{scaling}{'  skipped' if record.get('skipped') else ''}",
-                  flush=True)
-            if log:
-                log.write(json.dumps(record) + "\n")
+        log_step(run, record, log)
         stop_if_diverged(record)
         if checkpoint.due(args, step + 1):
             checkpoint.save(run, step + 1)
