@@ -84,7 +84,8 @@ class Timeline:
 # This process's recorder. Each rank is its own process, so one Timeline serves the whole rank, read where
 # events happen, as torch.profiler.record_function reads the profiler that is running: train.build installs
 # the run's, and the engine (the verbs and the stages' compute, from step 03 the gradient reductions, from
-# step 06 TP's collectives) records through span(). Until one is installed it is off: a span costs nothing. A test installs its own.
+# step 06 TP's collectives) records through span(). Until one is installed it is off: a span costs nothing.
+# A test installs its own.
 _recorder = Timeline(enabled=False)
 
 
@@ -188,8 +189,9 @@ def write_chrome_trace(events, path: str, describe_rank):
         step_events = [e for e in events if e["step"] == step]
         origin, numbers = step_start(events, step), message_numbers(step_events)
         for e in step_events:
-            trace.append(dict(name=box_name(e, numbers.get(id(e)), chunks), cat=e["kind"], ph="X", pid=1, tid=e["rank"] + 1,
-                              ts=(offset + e["start"] - origin) * 1e6, dur=(e["end"] - e["start"]) * 1e6,
+            trace.append(dict(name=box_name(e, numbers.get(id(e)), chunks), cat=e["kind"], ph="X", pid=1,
+                              tid=e["rank"] + 1, ts=(offset + e["start"] - origin) * 1e6,
+                              dur=(e["end"] - e["start"]) * 1e6,
                               args=dict(step=step, rank=e["rank"], microbatch=e["microbatch"],
                                         chunk=e.get("chunk"), what=e.get("what"))))
         offset += max(e["end"] for e in step_events) - origin

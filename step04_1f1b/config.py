@@ -227,7 +227,8 @@ def family(args):
 
 def stages_bytes(args):
     """budget.stage_bytes of each stage, holding the peak stored microbatches of its formula."""
-    return [stage_bytes(args, family(args).peak_stored_microbatches(args, s)[1], chunks=args.pp) for s in range(args.pp)]
+    return [stage_bytes(args, family(args).peak_stored_microbatches(args, s)[1], chunks=args.pp)
+            for s in range(args.pp)]
 
 
 def check_config(args, world_size: int, cuda_available: bool):

@@ -99,7 +99,8 @@ def compute_gradients(run, step: int) -> float:
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad(set_to_none=True)
     run.comm.begin_step()
-    loss = family(run.args).SCHEDULES[run.args.schedule](run.stages, run.comm, replica_microbatches(run, inputs, targets))
+    microbatches = replica_microbatches(run, inputs, targets)
+    loss = family(run.args).SCHEDULES[run.args.schedule](run.stages, run.comm, microbatches)
     run.comm.finish_sends()
     # Megatron's finalize_model_grads: one all-reduce per optimizer step, after the schedule, when this
     # rank's last input gradient has been delivered: the previous stage never waits for this all-reduce.

@@ -350,8 +350,8 @@ def bubble_formula(args, times=None):
     idle = chains[longest]
     which = f"{longest} (the longest of {len(chains)} chains, n = PP/2-1)" if len(chains) > 1 \
         else "0 (one rank per V)"
-    text = (f"idle/(N(F+B+W)+idle), idle = {which} with --pairs {args.pairs}, PP = {stages} stages, N = {passes} passes, "
-            f"F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
+    text = (f"idle/(N(F+B+W)+idle), idle = {which} with --pairs {args.pairs}, PP = {stages} stages, "
+            f"N = {passes} passes, F:B:W = 1:{b / f:.2f}:{w / f:.2f}")
     return text, idle / (passes * (f + b + w) + idle)
 
 
