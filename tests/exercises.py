@@ -34,8 +34,8 @@ EXERCISES = [
         task="Every schedule of the course is made of four point-to-point verbs. recv_forward receives the "
              "activation stage-1 computed (blocking dist.recv into a fresh buffer of stage.shape); send_forward "
              "sends this stage's output to stage+1 (detached: the graph stays here); recv_backward and "
-             "send_backward move d(loss)/d(activation) the other way. Wrap each in timeline.span, "
-             "as the other functions do.",
+             "send_backward move d(loss)/d(activation) the other way. Wrap each in a span (timeline's, which "
+             "pipeline.py imports), as the other functions do.",
         checks=[("equivalence", 2, ["--pp", "2", "--layers", "4"]),
                 ("equivalence", 4, ["--pp", "4", "--layers", "6"])],
         hints=["Stage s talks to ranks s-1 and s+1 only: stage.index is the rank in the pipeline.",
