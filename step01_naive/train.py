@@ -115,7 +115,7 @@ def train(args):
     for step, record in enumerate(flushed_steps(run)):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
-        log_step(run, record, log)
+        log_step(record, log)
         stop_if_diverged(record)
     if log:
         log.close()

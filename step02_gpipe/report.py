@@ -1,10 +1,10 @@
 """What rank 0 prints: one line per step (its record also goes to --log-json), and after training each rank's
 measured memory and bubble beside the schedule's formulas.
 
-    open_log(args)               rank 0's --log-json file
-    log_step(run, record, log)   the step's line and its record (train.py calls it after every step)
-    gather_peaks(run)            every rank's memory peaks of the last step (all ranks call it, once)
-    report(run, last_record)     the memory report, the bubble report and the trace file
+    open_log(args)                  rank 0's --log-json file
+    log_step(record, log)           the step's line and its record (train.py calls it after every step)
+    gather_peaks(run)               every rank's memory peaks of the last step (all ranks call it, once)
+    report(run, last_record)        the memory report, the bubble report and the trace file
 
 train.py calls the last two after its last step. tests/check_formulas.py, tests/test_schedules.py and
 tests/harness.py read the printed lines.
@@ -35,7 +35,7 @@ def open_log(args):
     return open(args.log_json, "w", buffering=1) if args.log_json and dist.get_rank() == 0 else None
 
 
-def log_step(run, record, log):
+def log_step(record, log):
     """Rank 0 prints the step's line and writes its record to the --log-json file."""
     if dist.get_rank() != 0:
         return

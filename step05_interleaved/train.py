@@ -160,7 +160,7 @@ def train(args):
     for step, record in enumerate(records, start):
         if step == args.steps - 1:
             record.update(gather_peaks(run))
-        log_step(run, record, log)
+        log_step(record, log)
         stop_if_diverged(record)
         if checkpoint.due(args, step + 1):
             checkpoint.save(run, step + 1)
