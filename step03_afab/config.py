@@ -169,7 +169,8 @@ def check_output(flag: str, path: str):
 def check_numbers(args):
     """Refuse a count that is not positive, a learning rate or timeout that is not finite, a timeout too short for
     the start-up, and a seed too large for the weights' generators."""
-    positive(args, "--pp", "--dp", "--batch-size", "--microbatches", "--seq-len", "--layers", "--hidden", "--heads",
+    positive(args, "--pp", "--microbatches", "--dp",
+             "--batch-size", "--seq-len", "--layers", "--hidden", "--heads",
              "--steps", "--lr", "--timeout")
     if not math.isfinite(args.lr) or not math.isfinite(args.timeout):
         raise ConfigError(f"--lr {args.lr} and --timeout {args.timeout} must be finite")

@@ -14,9 +14,10 @@ With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
-`chunk` numbers this rank's model chunks; it stays 0 until step 05 gives a rank
-several. The timeline (timeline.span) and the activation meter only watch: leave the meter out,
-or the timeline off, and the stage computes the same.
+`chunk` numbers this rank's model chunks: with virtual stages (step 05) a rank
+holds several, and `chunk` tells them apart in the activation meter and the
+timeline. The timeline (timeline.span) and the activation meter only watch: off,
+the stage computes the same.
 """
 import torch
 

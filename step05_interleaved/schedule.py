@@ -23,10 +23,9 @@ from stage import PipelineStage
 
 
 def bubble_formula(args):
-    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages.
-
-    With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
-    ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages. With v virtual
+    stages the fill and drain take 1/v as long: (p-1)/(v*m) of the ideal compute time (the ratio Megatron-LM's
+    paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     """
     if args.schedule == "interleaved":
         v = args.virtual_stages

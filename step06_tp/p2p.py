@@ -44,16 +44,11 @@ Non-blocking receives, the two verbs of the interleaved schedule:
 Each returns as soon as its receive is posted, with the function that waits for
 it (commit's wait=False). The schedule posts each receive about when the
 neighbour computes what it brings, and waits only just before the compute that
-needs it: the message travels while the rank computes. Its sends are exchanges
-of one operation each, right after the compute that made what they send. So
---p2p batched and ordered post the same thing; what keeps the interleaved
-schedule from deadlocking is the order of its receives, one that all ranks
-share (schedule.py's interleaved_actions). tests/replay.py checks every
-interleaved configuration up to pp 8, m 32, v 4.
-
-With virtual stages activations go round the ring of ranks v times,
-so here the last rank's next rank is rank 0: the neighbours were a ring from
-step 03 on.
+needs it: the message travels while the rank computes. Its sends are single
+operations, so --p2p batched and ordered post the same. What keeps it from
+deadlocking is an order of receives that all ranks share (schedule.py's
+interleaved_actions; tests/replay.py checks it up to pp 8, m 32, v 4). The
+activations go round the ring of ranks v times: rank 0 follows the last rank.
 
 Scatter-gather, with tensor parallelism inside each stage. After a stage's last
 row-parallel all-reduce every TP rank holds the same full activation, and each
@@ -299,13 +294,11 @@ class PipelineComm:
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
     def irecv_forward(self):
-        """Post the receive of an activation from the previous rank of the ring (the last rank's chunks
-        feed rank 0's); returns the function that waits for it and returns it."""
+        """Post the receive of an activation from the previous rank; returns the function that waits for it."""
         arrived = self.communicate(recv_prev=True, wait=False)
         return lambda: arrived()[0]
 
     def irecv_backward(self):
-        """Post the receive of an output gradient from the next rank of the ring; returns the function that
-        waits for it and returns it."""
+        """Post the receive of an output gradient from the next rank; returns the function that waits for it."""
         arrived = self.communicate(recv_next=True, wait=False)
         return lambda: arrived()[1]

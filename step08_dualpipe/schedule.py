@@ -33,10 +33,9 @@ from weight_grad_store import WeightGradStore
 
 
 def bubble_formula(args, times=None):
-    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages.
-
-    With v virtual stages the fill and drain take 1/v as long: the bubble is (p-1)/(v*m) of the
-    ideal compute time (the ratio Megatron-LM's paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
+    """(text, value): idle fraction of each rank when m microbatches fill and drain p stages. With v virtual
+    stages the fill and drain take 1/v as long: (p-1)/(v*m) of the ideal compute time (the ratio Megatron-LM's
+    paper quotes), i.e. (p-1)/(v*m+p-1) of the step.
     zb1p idles (p-1)(F+B-W) beside m(F+B+W) of compute; times: the mean F, B and W measured in the run (equal if None).
     """
     if args.schedule == "zb1p":
