@@ -14,10 +14,9 @@ With recompute (GPipe's re-materialisation) forward keeps no autograd graph;
 the schedule keeps the input and calls `recompute_forward` to rebuild the graph
 before the backward.
 
-`chunk` numbers this rank's model chunks: with virtual stages (step 05) a rank
-holds several, and `chunk` tells them apart in the activation meter and the
-timeline. The timeline (timeline.span) and the activation meter only watch: off,
-the stage computes the same.
+`chunk` numbers this rank's model chunks: with virtual stages (step 05) a rank holds several,
+and `chunk` tells them apart in the activation meter and the timeline. The timeline
+(timeline.span) and the activation meter only watch: off, the stage computes the same.
 """
 import torch
 

@@ -19,10 +19,9 @@ dropped, its autograd node kept: the next stage returns d(loss)/d(output), and a
 stage's last operation (a residual add) saves nothing of its own output. PipeDream's
 stage (pipedream.py) overrides two seams, weights(mb) and backward_done(mb).
 
-`chunk` numbers this rank's model chunks: with virtual stages (step 05) a rank
-holds several, and `chunk` tells them apart in the activation meter and the
-timeline. The timeline (timeline.span) and the activation meter only watch: off,
-the stage computes the same.
+`chunk` numbers this rank's model chunks: with virtual stages (step 05) a rank holds several,
+and `chunk` tells them apart in the activation meter and the timeline. The timeline
+(timeline.span) and the activation meter only watch: off, the stage computes the same.
 """
 import torch
 from torch.autograd import Variable
