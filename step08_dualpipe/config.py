@@ -239,11 +239,13 @@ def check_precision(args):
                           "must be at least 1")
     if not 0 <= args.clip_grad < math.inf:
         raise ConfigError(f"--clip-grad {args.clip_grad} must be 0 (off) or a positive global norm")
-    if args.schedule in pipedream.SCHEDULES and (args.precision != "fp32" or args.clip_grad):
-        flag = f"--precision {args.precision}" if args.precision != "fp32" else f"--clip-grad {args.clip_grad}"
-        raise ConfigError(f"{flag} does not fit --schedule {args.schedule}: the half types' shared overflow "
-                          "skip and the clipping norm are all-reduced over every stage at each step, but "
-                          "PipeDream's stages step alone, at different times (fp32 and no clipping only)")
+    if args.schedule in pipedream.SCHEDULES and (args.precision != "fp32" or args.clip_grad or args.loss_scale):
+        flag = (f"--precision {args.precision}" if args.precision != "fp32" else
+                f"--clip-grad {args.clip_grad}" if args.clip_grad else f"--loss-scale {args.loss_scale}")
+        raise ConfigError(f"{flag} does not fit --schedule {args.schedule}: the loss scale, its overflow skip "
+                          "and the clipping norm belong to one optimizer step shared by every stage, but "
+                          "PipeDream's stages step alone, at different times, each with a plain AdamW and no "
+                          "scaler (fp32, no loss scale, no clipping only)")
 
 
 def check_files(args):

@@ -185,6 +185,8 @@ CASES += [
     *bad(MP_STEPS, 2, ["--schedule", "pipedream", "--precision", "bf16"], "--precision bf16", "pipedream",
          "fp32"),
     *bad(MP_STEPS, 2, ["--schedule", "pipedream-2bw", "--clip-grad", "1"], "--clip-grad 1.0", "pipedream-2bw"),
+    *bad(MP_STEPS, 2, ["--schedule", "pipedream", "--loss-scale", "8"], "--loss-scale 8.0", "pipedream",
+         "no loss scale"),
 ]
 ZB_STEPS = [s for s in STEPS if s >= "step08"]
 CASES += [
