@@ -4,7 +4,8 @@
 
   * the bubble (timeline.busy_fractions) on hand-built event lists: forwards,
     backwards, recomputes, waits, several ranks and steps; in step 08 a B and a W,
-    with a control that leaves W out of the busy time;
+    with a control that leaves W out of the busy time (run because the step splits its
+    backward, weight_grad_store.py, whatever its timeline lists as compute);
   * the timeline records nothing while disabled;
   * on CUDA (faked here: events stamped from a GPU clock set by hand) a span waits for
     nothing: one synchronize as a step starts and one as it ends, none while disabled,
@@ -266,7 +267,7 @@ def main(step_dir):
     on_cuda = partial(timeline.Timeline, 0, torch.device("cuda"))
     report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline),
                   cuda_timing=check_cuda_timing(on_cuda), cuda_timing_controls=check_cuda_timing_controls(timeline))
-    if "W" in timeline.COMPUTE:  # step 08's split backward
+    if os.path.exists(os.path.join(step_dir, "weight_grad_store.py")):  # step 08's backward split into B and W
         report["split_bubble"] = check_split_bubble(timeline)
     if os.path.exists(os.path.join(step_dir, "memory.py")):
         import memory

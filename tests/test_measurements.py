@@ -5,6 +5,7 @@ whose answers are known by hand. torch_pp.py runs the step's schedules beside
 torch.distributed.pipelining on the same model, weights and batch.
 """
 import json
+import shutil
 import subprocess
 import sys
 
@@ -14,13 +15,36 @@ from conftest import STEPS
 from harness import REPO, launch
 
 
-@pytest.mark.parametrize("step", STEPS)
-def test_measuring_code_gives_known_answers(step, step_dirs):
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_measures.py"), str(step_dirs[step])],
+TIMELINE = "timeline.py"  # the step's module whose COMPUTE lists the kinds of box the bubble counts as busy
+SPLIT_STEPS = [step for step in STEPS if step >= "step08"]  # the backward split into B and W
+
+
+def measures(step_dir):
+    """The JSON report of tests/check_measures.py on a step folder."""
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_measures.py"), str(step_dir)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_measuring_code_gives_known_answers(step, step_dirs):
+    report = measures(step_dirs[step])
     assert len(report) >= 2 and not any(report.values()), report
+    assert ("split_bubble" in report) == (step in SPLIT_STEPS), report
+
+
+@pytest.mark.parametrize("step", SPLIT_STEPS)
+def test_bubble_of_a_split_backward_counts_w_as_busy(step, step_dirs, tmp_path):
+    """The control of the split bubble check: a copy of the step whose timeline no longer lists W among the
+    compute kinds (one line planted at the end of its timeline module) must fail it. The check runs because
+    the step splits its backward (weight_grad_store.py), not because the list under test names W."""
+    planted = tmp_path / step
+    shutil.copytree(step_dirs[step], planted, ignore=shutil.ignore_patterns("notebook.ipynb", "__pycache__"))
+    with open(planted / TIMELINE, "a") as module:
+        module.write('\nCOMPUTE = tuple(kind for kind in COMPUTE if kind != "W")  # planted: W is idle time\n')
+    problem = measures(planted).get("split_bubble")
+    assert problem and "expected [0.75]" in problem, problem
 
 
 STEP = "step05_interleaved"  # the last step with just the three classic schedules
