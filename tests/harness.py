@@ -209,6 +209,21 @@ def memory_report_problems(stdout: str, schedule: str, pp: int, dp: int, tp: int
     return problems
 
 
+def throughput_problem(records, stdout: str, tokens_per_step: int):
+    """Where tokens_per_s is not tokens_per_step (batch x seq_len) over the step's logged step_time_s: in a
+    --log-json record, or in the step line rank 0 printed for it (tokens/s to the unit); None if nowhere."""
+    lines = re.findall(r"^step +(\d+) .* (\d+) tokens/s", stdout, re.MULTILINE)
+    printed = {int(step): int(rate) for step, rate in lines}
+    for r in records:
+        expected = tokens_per_step / r["step_time_s"]
+        if abs(r["tokens_per_s"] - expected) > 1e-9 * expected:
+            return f"step {r['step']}: logged {r['tokens_per_s']:.6g} tokens/s, {tokens_per_step} tokens over its " \
+                   f"{r['step_time_s']:.6g} s are {expected:.6g}"
+        if r["step"] not in printed or abs(printed[r["step"]] - expected) > 0.5 + 1e-9 * expected:
+            return f"step {r['step']}: the step line says {printed.get(r['step'])} tokens/s, expected {expected:.0f}"
+    return None
+
+
 def memory_errors(case_dir: Path, world: int, label: str):
     """Each rank's measured peak of stored microbatches in step 0 against tests/formulas.py (from step 02)."""
     errors = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import STEPS
-from harness import REPO, RunFailed, launch, memory_report_problems
+from harness import REPO, RunFailed, launch, memory_report_problems, throughput_problem
 
 SMOKE_STEPS = 4
 DEFAULT_M = 4  # --microbatches' default from step 02 on (README, the flags table)
@@ -92,31 +92,18 @@ def test_default_run_learns_and_writes_log_and_trace(step, four_stage_run):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
 
 
-def throughput_problem(records, stdout: str, tokens_per_step: int = DEFAULT_BATCH * DEFAULT_SEQ_LEN):
-    """Where tokens_per_s is not tokens_per_step (batch x seq_len) over the step's logged step_time_s: in a
-    --log-json record, or in the step line rank 0 printed for it (tokens/s to the unit); None if nowhere."""
-    printed = {int(step): int(rate) for step, rate in re.findall(r"^step +(\d+) .* (\d+) tokens/s", stdout, re.M)}
-    for r in records:
-        expected = tokens_per_step / r["step_time_s"]
-        if abs(r["tokens_per_s"] - expected) > 1e-9 * expected:
-            return f"step {r['step']}: logged {r['tokens_per_s']:.6g} tokens/s, {tokens_per_step} tokens over its " \
-                   f"{r['step_time_s']:.6g} s are {expected:.6g}"
-        if r["step"] not in printed or abs(printed[r["step"]] - expected) > 0.5 + 1e-9 * expected:
-            return f"step {r['step']}: the step line says {printed.get(r['step'])} tokens/s, expected {expected:.0f}"
-    return None
-
-
 @pytest.mark.parametrize("step", STEPS)
 def test_throughput_counts_tokens_per_second(step, four_stage_run):
     """tokens_per_s in the log and in the step line is --batch-size x --seq-len tokens over the step's logged
     time. Control: sequences per second (seq_len times too low), in the log or in the line, fails."""
     stdout, log, _ = four_stage_run(step)
     records = read_log(log)
-    assert throughput_problem(records, stdout) is None, throughput_problem(records, stdout)
+    tokens = DEFAULT_BATCH * DEFAULT_SEQ_LEN
+    assert throughput_problem(records, stdout, tokens) is None, throughput_problem(records, stdout, tokens)
     sequences = [dict(r, tokens_per_s=DEFAULT_BATCH / r["step_time_s"]) for r in records]
-    assert throughput_problem(sequences, stdout) is not None
+    assert throughput_problem(sequences, stdout, tokens) is not None
     per_sequence = re.sub(r"(\d+) tokens/s", lambda m: f"{int(m[1]) / DEFAULT_SEQ_LEN:.0f} tokens/s", stdout)
-    assert throughput_problem(records, per_sequence) is not None
+    assert throughput_problem(records, per_sequence, tokens) is not None
 
 
 @pytest.mark.parametrize("step", STEPS)
