@@ -1,4 +1,5 @@
-"""Step 07's shared skip and global norm, checked inside a run of 4 ranks (tp 2 x pp 2).
+"""Step 07's shared skip and global norm, checked inside a run of 4 ranks (tp 2 x pp 2); step 08's norm under
+DualPipe on 2 ranks.
 
     (4 ranks)  python tests/check_mixed_precision.py STEP_DIR inf OUT.json
     (4 ranks)  python tests/check_mixed_precision.py STEP_DIR norm OUT.json
@@ -18,6 +19,13 @@ norm: the global norm the optimizer computes (fp32, --clip-grad 0.5) against
 scaled: the same under a loss scale (--loss-scale 1024 in fp32; fp16's dynamic scale): the norm
       is that of the unscaled gradients, and the clip scales the unscaled gradients. Control:
       the unscale made a no-op, so the norm is S times too large.
+
+    (2 ranks)  python tests/check_mixed_precision.py STEP_DIR twins OUT.json
+
+twins: step 08, dualpipe (each stage on two ranks) and dualpipev, --clip-grad 0.5: each step's grad_norm
+      in the record train_step returns (what the log shows) and the weights after three steps, beside
+      the single-device run's norms and clipped weights. Control: chunk 1's parameters counted the
+      other way (dualpipe's reverse-direction copies counted too; dualpipev's second chunk left out).
 """
 import os
 import sys
@@ -26,12 +34,15 @@ from unittest import mock
 
 import torch
 
-from harness import write_per_rank
+from harness import rel_err, write_per_rank
 
 # --timeout 10: ranks that disagree on the skip wait in a collective; they are named after 10 s, not 60
 FLAGS = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
          "--layers", "4", "--microbatches", "2", "--tp", "2", "--pp", "2", "--timeout", "10"]
 CLIP = 0.5  # below the tiny model's first gradient norm (about 1.3), so the step clips
+TWIN_FLAGS = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+              "--layers", "4", "--microbatches", "4", "--pp", "2", "--clip-grad", str(CLIP), "--timeout", "30"]
+TWIN_STEPS = 3  # each clipped by its own factor
 
 
 def without_max_all_reduce(real, max_op):
@@ -85,15 +96,51 @@ def global_norm(train, mixed_precision, device, model, data):
 def reference_norm(train, model, data, args):
     """On rank 0: the global norm of the single-device model's fp32 gradients for the first batch; else None."""
     import torch.distributed as dist
+
+    return reference_run(train, model, data, args, 1, float("inf"))[0][0] if dist.get_rank() == 0 else None
+
+
+def reference_run(train, model, data, args, steps, clip):
+    """The whole model on one device, `steps` AdamW steps on the global batches, each step's gradients clipped to
+    the global norm `clip` by torch.nn.utils.clip_grad_norm_: ([each step's norm before the clip], {name: weight})."""
     import torch.nn.functional as F
 
-    if dist.get_rank() != 0:
-        return None
     net = model.Transformer(train.model_config(args), seed=args.seed)
-    inputs, targets = data.get_batch(data.load_tokens(args.data), 0, args.batch_size, args.seq_len, args.seed)
-    logits = net(inputs)
-    F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
-    return torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")).item()
+    optimizer, tokens, norms = torch.optim.AdamW(net.parameters(), lr=args.lr), data.load_tokens(args.data), []
+    for step in range(steps):
+        inputs, targets = data.get_batch(tokens, step, args.batch_size, args.seq_len, args.seed)
+        optimizer.zero_grad()
+        logits = net(inputs)
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), clip).item())
+        optimizer.step()
+    return norms, dict(net.named_parameters())
+
+
+def count_chunk_1_the_other_way(run):
+    """The control: chunk 1's parameters enter the norm where they did not, and not where they did. DualPipe's
+    reverse-direction copies (marked `shared`) are then counted beside the originals; DualPipeV's second chunk
+    is left out."""
+    for p in run.model[1].parameters():
+        p.shared = not getattr(p, "shared", False)
+
+
+def twin_norms(train, model, data, device):
+    """Step 08 (2 ranks): for dualpipe and dualpipev with --clip-grad, each step's logged grad_norm and the relative
+    error of each of this rank's weights after TWIN_STEPS steps, against the single-device run (computed on every
+    rank). Control: the same runs with chunk 1's parameters counted the other way."""
+    args = train.parse_args([*TWIN_FLAGS, "--schedule", "dualpipe"])
+    norms, weights = reference_run(train, model, data, args, TWIN_STEPS, CLIP)
+    found = dict(reference=norms, names=sorted(weights))
+    for schedule in ("dualpipe", "dualpipev"):
+        for label, flip in ((schedule, False), (f"{schedule}_control", True)):
+            run = train.build(train.parse_args([*TWIN_FLAGS, "--schedule", schedule]), device)
+            if flip:
+                count_chunk_1_the_other_way(run)
+            logged = [train.train_step(run, step)["grad_norm"] for step in range(TWIN_STEPS)]
+            errors = {n: rel_err(p.detach(), weights[n].detach()) for n, p in run.model.named_parameters()}
+            found[label] = dict(norms=logged, weight_errors=errors)
+    return found
 
 
 SCALED = {"constant": ["--loss-scale", "1024"], "fp16": ["--precision", "fp16"]}
@@ -133,7 +180,8 @@ def main(step_dir, mode, out):
     device = distributed.init_distributed("cpu", 60)
     found = {"inf": lambda: injected_inf(train, mixed_precision, device),
              "norm": lambda: global_norm(train, mixed_precision, device, model, data),
-             "scaled": lambda: scaled_norms(train, model, data, device)}[mode]()
+             "scaled": lambda: scaled_norms(train, model, data, device),
+             "twins": lambda: twin_norms(train, model, data, device)}[mode]()
     write_per_rank(found, out)
     distributed.shutdown()
 

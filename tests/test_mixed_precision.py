@@ -1,4 +1,5 @@
-"""Step 07: every rank skips an overflowed step together, and the global gradient norm counts each number once.
+"""Step 07: every rank skips an overflowed step together, and the global gradient norm counts each number once
+(step 08: also under DualPipe, where each stage lives on two ranks).
 
 Equivalence with the microbatch-wise half-precision reference, overflow skips included, is in
 test_equivalence.py; the loss scaler's rules in test_loss_scaler.py.
@@ -9,16 +10,17 @@ import sys
 import pytest
 
 from conftest import STEPS
-from harness import REPO, launch
+from harness import REPO, RTOL, WEIGHT_RTOL, launch
 
 MP_STEPS = [s for s in STEPS if s >= "step07"]
+DUALPIPE_STEPS = [s for s in STEPS if s >= "step08"]
 CHECKS = REPO / "tests" / "check_mixed_precision.py"
 FP16_NORM_REL = 1e-3  # two fp16 roundings (2 x 4.9e-4): its weights, activations and messages round to 11 bits;
 #                       measured 4.3e-5 on this model, against the scale times (65536 or 1024) a missed unscale gives
 
 
-def run_checks(step_dir, mode, tmp_path):
-    launch([sys.executable, str(CHECKS), str(step_dir), mode, str(tmp_path / "found.json")], 4, tmp_path, 180)
+def run_checks(step_dir, mode, tmp_path, world=4):
+    launch([sys.executable, str(CHECKS), str(step_dir), mode, str(tmp_path / "found.json")], world, tmp_path, 180)
     return json.loads((tmp_path / "found.json").read_text())
 
 
@@ -71,3 +73,29 @@ def test_clipping_under_a_loss_scale_sees_the_unscaled_gradients(step, step_dirs
         assert abs(f["fp16"]["norm"] - reference) <= FP16_NORM_REL * reference, (rank, f, reference)
         assert f["constant"]["clipped"] and f["fp16"]["clipped"], (rank, f)
         assert abs(f["control"]["norm"] - reference) > FP16_NORM_REL * reference, (rank, f, reference)
+
+
+@pytest.mark.parametrize("step", DUALPIPE_STEPS)
+def test_dualpipe_norm_counts_each_stage_once_and_clips_as_one_device(step, step_dirs, tmp_path, replay_passes):
+    """dualpipe (each stage on two ranks) and dualpipev, pp 2, --clip-grad 0.5, three steps: each step's logged
+    grad_norm is the single-device model's (RTOL: the two copies' gradients are summed in another order), and
+    the clipped weights are its clipped weights (WEIGHT_RTOL). Control: chunk 1's parameters counted the other
+    way must fail: dualpipe's reverse-direction copies counted too give sqrt(2) times the norm, a clip too hard
+    and weights off the reference; dualpipev's second chunk left out gives a smaller norm."""
+    for schedule in ("dualpipe", "dualpipev"):
+        replay_passes(step, schedule)
+    found = run_checks(step_dirs[step], "twins", tmp_path, world=2)
+    reference = found[0]["reference"]
+    assert min(reference) > 0.5, "the check needs norms above the clip, or clipping is a no-op"
+    for schedule in ("dualpipe", "dualpipev"):
+        for rank, f in enumerate(found):
+            norms, errors = f[schedule]["norms"], f[schedule]["weight_errors"]
+            assert norms == pytest.approx(reference, rel=RTOL, abs=0), (rank, schedule, norms, reference)
+            assert max(errors.values()) <= WEIGHT_RTOL, (rank, schedule, errors)
+        held = {name for f in found for name in f[schedule]["weight_errors"]}
+        assert held == set(found[0]["names"]), f"{schedule}: not every parameter was compared"
+    for rank, f in enumerate(found):  # the controls
+        twice = [n / r for n, r in zip(f["dualpipe_control"]["norms"], reference)]
+        assert twice == pytest.approx([2 ** 0.5] * len(reference), rel=RTOL, abs=0), (rank, twice)
+        assert max(f["dualpipe_control"]["weight_errors"].values()) > WEIGHT_RTOL, (rank, f["dualpipe_control"])
+        assert all(n < r * (1 - RTOL) for n, r in zip(f["dualpipev_control"]["norms"], reference)), (rank, f)
