@@ -1,5 +1,6 @@
 """The READMEs stay true: each quoted command is run again and what it prints compared, as the notebooks'
-saved outputs are (tests/test_saved_outputs.py); and every command they show names files and flags that exist.
+saved outputs are (tests/test_saved_outputs.py); and every command they show names files, flags
+and exercises that exist, and every relative link a file.
 
 A quote is a fenced block right after an HTML comment, which GitHub does not show:
 
@@ -256,9 +257,18 @@ def missing(command: str):
     return problems
 
 
+def broken_links(readme: Path, text: str):
+    """[(line, target)]: the README's relative links whose file or folder does not exist."""
+    return [(text.count("\n", 0, link.start()) + 1, link[1]) for link in re.finditer(r"\]\(([^)#\s]+)[^)]*\)", text)
+            if not re.match(r"[a-z]+://", link[1]) and not (readme.parent / link[1]).exists()]
+
+
 def test_readme_commands_name_files_and_flags_that_exist():
     problems = [f"{readme.relative_to(REPO)}:{n}: `{command}`: {p}" for readme in READMES if readme.exists()
                 for n, command in shown_commands(readme) for p in missing(command)]
+    problems += [f"{readme.relative_to(REPO)}:{n}: no file {target}" for readme in READMES if readme.exists()
+                 for n, target in broken_links(readme, readme.read_text())]
+    assert broken_links(REPO / "README.md", "see [it](step09_none/README.md)"), "a broken link is not caught"
     assert not problems, "\n".join(problems)
     controls = ["torchrun --nproc_per_node 2 step04_1f1b/train.py --no-such-flag", "python step09_none/train.py",
                 "python tests/exercise.py start 04.nothing"]

@@ -17,7 +17,7 @@ from conftest import STEPS
 from harness import REPO, RunFailed, launch, memory_report_problems
 
 SMOKE_STEPS = 4
-DEFAULT_M = 4  # --microbatches' default from step 02 on (README, the flags table)
+DEFAULT_M = 4  # --microbatches' default from step 02 on (step02_gpipe/README.md, its flags)
 
 
 def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
