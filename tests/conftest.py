@@ -2,7 +2,7 @@
 
     pytest --step-dir step02_gpipe=~/my_gpipe
 
-points the tests of step 02 at your own copy of that folder (see README,
+points the tests of step 02 at your own copy of that folder (see tests/README.md,
 "The tests as exercises"). The option can be given once per step.
 """
 import json

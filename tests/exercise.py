@@ -3,7 +3,7 @@
     python tests/exercise.py list                          the catalogue (tests/exercises.py) and each one's state
     python tests/exercise.py start 04.1f1b                 copy step 04 to my_exercises/04.1f1b/, the function stubbed
     python tests/exercise.py check 04.1f1b                 its checks, fastest first, stopping at the first failure
-    python tests/exercise.py check 04.1f1b --step-dir my_1f1b    a copy made by hand (README's recipe)
+    python tests/exercise.py check 04.1f1b --step-dir my_1f1b    a copy made by hand (tests/README.md, the recipe by hand)
     python tests/exercise.py mistake 04.1f1b               what a typical wrong answer prints (the notebooks show it)
 
 A check runs the course's own tests on the copy: the replay of the schedules without a model (seconds), one

@@ -17,8 +17,8 @@ from conftest import STEPS
 from harness import REPO, RunFailed, launch, memory_report_problems, throughput_problem
 
 SMOKE_STEPS = 4
-DEFAULT_M = 4  # --microbatches' default from step 02 on (README, the flags table)
-DEFAULT_BATCH, DEFAULT_SEQ_LEN = 8, 128  # --batch-size and --seq-len's defaults (README, the flags table)
+DEFAULT_M = 4  # --microbatches' default from step 02 on (step02_gpipe/README.md, its flags)
+DEFAULT_BATCH, DEFAULT_SEQ_LEN = 8, 128  # --batch-size and --seq-len's defaults (step01_naive/README.md, its flags)
 
 
 def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
