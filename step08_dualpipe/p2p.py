@@ -32,9 +32,11 @@ assume every send can). `commit` posts its queue one of two ways (--p2p):
     ordered  Megatron's even/odd rule (its _p2p_ops): isend and irecv one by one,
              activations before gradients, even stages sending first and odd ones
              receiving first, then wait for all. Under tests/replay.py's model,
-             which completes each rank's operations in the order posted (PyTorch's
-             NCCL backend runs a lone isend or irecv on one stream per peer pair;
-             a conservative model), neighbours of opposite parity meet, first with first.
+             which completes each rank's operations in the order posted,
+             neighbours of opposite parity meet, first with first. The model is
+             exact for this code: distributed.py passes device_id, so NCCL starts
+             eagerly, and then a lone isend or irecv runs on the group's one
+             communicator (PyTorch PR #132900), serialised with the rank's others.
 
 Non-blocking receives, the two verbs of the interleaved schedule:
 

@@ -14,6 +14,7 @@ Prints one JSON object:
             "sync" (torch.cuda.synchronize), "end_step"; PipeDream's "schedule" and "finish_sends".
   faults    {message: kind}: faults.kind_of on gloo's and NCCL's real texts.
   guarded   {message: the exception p2p._guarded raises, and its text} (step 03 on).
+  nccl      what init_distributed("cuda") passes to init_process_group (see nccl_start).
 """
 import contextlib
 import io
@@ -151,16 +152,34 @@ def guarded(step_dir: str):
     return found
 
 
+def nccl_start(distributed, torch):
+    """What distributed.init_distributed("cuda") hands init_process_group, and the serialisation warning's switch
+    (TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING) at that moment; CUDA and the process group faked."""
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(backend=backend, device_id=str(kwargs.get("device_id")),
+                    warning=os.environ.get("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"))
+
+    os.environ.pop("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", None)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    distributed.dist.init_process_group, torch.cuda.set_device = init_process_group, lambda index: None
+    distributed.faults.start_heartbeat = lambda timeout_s: None
+    distributed.init_distributed("cuda", 10.0)
+    return seen
+
+
 def main(step_dir: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     import torch
 
     import config
+    import distributed
     import faults
     import train
 
     report = dict(devices=devices(config, torch), faults={m: faults.kind_of(RuntimeError(m)) for m in MESSAGES},
-                  guarded=guarded(step_dir), timing=timing(train, torch, step_dir))
+                  guarded=guarded(step_dir), timing=timing(train, torch, step_dir), nccl=nccl_start(distributed, torch))
     print(json.dumps(report))
 
 

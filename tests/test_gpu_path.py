@@ -5,6 +5,7 @@
   * a step's clock is read after one synchronize of the GPU, outside the schedule, and only on CUDA;
   * gloo's and NCCL's timeout and closed-connection texts are told apart from any other error, which
     p2p._guarded raises with its own message (never as a deadlock);
+  * NCCL starts eagerly (device_id) with PyTorch's one-time p2p serialisation warning switched off;
   * the ranks refuse to train on different corpora (tests/check_gpu_path.py runs the in-process checks);
   * with CUDA faked to show one GPU, the CPU suite's launches and the notebooks' run_train still run, on the CPU.
 
@@ -125,10 +126,22 @@ def test_nccl_and_gloo_faults_are_told_from_other_errors(step, reports):
                                                                                              report["guarded"]))
 
 
+def nccl_problems(seen) -> list:
+    """NCCL must start eagerly (device_id, so that the replay's in-order model is exact) with PyTorch's
+    one-time serialisation warning switched off (distributed.py says why)."""
+    expected = dict(backend="nccl", device_id="cuda:0", warning="0")
+    return [] if seen == expected else [f"init_process_group saw {seen}, expected {expected}"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_nccl_starts_eagerly_without_the_serialisation_warning(step, reports):
+    assert not nccl_problems(reports(step)["nccl"]), nccl_problems(reports(step)["nccl"])
+
+
 def test_the_checks_fail_planted_wrong_reports():
     """Controls, each the behaviour before issue 40: ranks 2 and 3 of a 2-GPU node crash on 'invalid device
     ordinal' under --device auto; the clock stops before the GPU has finished; NCCL's timeout is not recognised
-    and every error becomes a deadlock."""
+    and every error becomes a deadlock; every rank prints PyTorch's serialisation warning."""
     good = {f"auto 2 4 {r}": [["device", "cpu"], [] if r else ["note: --device auto ... 2 GPUs ..."]] for r in range(4)}
     assert device_problems(good) == []
     crashed = dict(good, **{f"auto 2 4 {r}": [["crash", "CUDA error: invalid device ordinal"], []] for r in (2, 3)})
@@ -143,6 +156,7 @@ def test_the_checks_fail_planted_wrong_reports():
     old_guarded = {m: (["PeerGone", "..."] if k == "gone" else ["PeerTimeout", "... waited in vain ..."])
                    for m, k in old_kinds.items()}
     assert fault_problems(old_kinds, {}) and fault_problems(dict(MESSAGES), old_guarded)
+    assert nccl_problems(dict(backend="nccl", device_id="cuda:0", warning=None))
 
 
 def corpus_launch(step_dir, folder, texts):
