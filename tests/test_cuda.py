@@ -293,17 +293,15 @@ SMALL = ["--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8
 @CUDA
 @TWO_GPUS
 def test_a_checkpoint_saved_on_two_gpus_resumes_on_one(step_dirs, tmp_path, tf32_off):
-    """pp 2 on two GPUs saves after 2 steps; one GPU (pp 1) resumes it for steps 2 and 3, whose losses are
-    those of 4 uninterrupted steps on two GPUs (fp32: RTOL). Control: a fresh 4-step run on one GPU differs
-    at step 2, so the resumed run did read the checkpoint."""
+    """pp 2 on two GPUs saves after 2 steps; one GPU (pp 1) resumes it for steps 2 and 3 only, whose losses are
+    those of 4 uninterrupted steps on two GPUs (fp32: RTOL). A resume that lost the optimizer's state would differ
+    (tests/test_checkpoints.py's control shows it on the CPU)."""
     step_dir, save = step_dirs[LAST], tmp_path / "save"
     whole = train_on_gpus(step_dir, 2, tmp_path / "whole", "--pp", "2", "--steps", "4")
     train_on_gpus(step_dir, 2, tmp_path / "first", "--pp", "2", "--steps", "2", "--save", str(save))
     resumed = train_on_gpus(step_dir, 1, tmp_path / "resumed", "--pp", "1", "--steps", "4", "--resume", str(save))
-    fresh = train_on_gpus(step_dir, 1, tmp_path / "fresh", "--pp", "1", "--steps", "4")
     assert [r["step"] for r in resumed] == [2, 3], resumed
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[2:]], rel=RTOL, abs=0)
-    assert fresh[2]["loss"] != pytest.approx(whole[2]["loss"], rel=RTOL, abs=0)
 
 
 @CUDA
