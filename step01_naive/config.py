@@ -84,7 +84,7 @@ def parse_flags(argv, description):
         with open(os.devnull, "w") as sink, redirect_stdout(sink if rank else sys.stdout), \
                 redirect_stderr(sink if rank else sys.stderr):
             args = parser.parse_args(argv)  # exits 0 after --help; a malformed flag raises ConfigError
-        return check_config(args, world, torch.cuda.is_available())
+        return check_config(args, world, torch.cuda.device_count())
     except ConfigError as err:
         refuse(err, rank)
 
@@ -113,12 +113,24 @@ def positive(args, *flags):
             raise ConfigError(f"{flag} {value} must be positive")
 
 
-def check_device(device: str, cuda_available: bool):
-    """Refuse a --device that is unknown, or cuda where no CUDA device is present."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device {device} is unknown: use auto, cpu or cuda")
-    if device == "cuda" and not cuda_available:
+def check_device(args, world: int, gpus: int):
+    """Decide the device once per node, the same way on every rank, from what every rank of the node sees
+    alike: a node of NCCL and gloo ranks could not train. Each rank takes the GPU of its local index, so
+    CUDA needs a GPU per rank of the node. Refuse an unknown --device, and --device cuda short of GPUs;
+    --device auto then falls back to the CPU, and the node's first rank says why in one line."""
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {args.device} is unknown: use auto, cpu or cuda")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # this node's ranks (torchrun --nproc_per_node)
+    if args.device == "cuda" and not gpus:
         raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    if args.device == "cuda" and gpus < local_world:
+        raise ConfigError(f"--device cuda needs a GPU for each of the {local_world} ranks on this node, which has "
+                          f"{gpus}: start at most {gpus} (torchrun --nproc_per_node), or use --device cpu")
+    if args.device == "auto":
+        args.device = "cuda" if gpus and gpus >= local_world else "cpu"
+        if gpus and args.device == "cpu" and world_from_env()[2] == 0:
+            print(f"note: --device auto runs on the CPU with gloo: this node has {gpus} GPUs for its {local_world} "
+                  f"ranks, one each is needed (--device cuda refuses)", file=sys.stderr, flush=True)
 
 
 def check_model(args):
@@ -174,9 +186,9 @@ def check_numbers(args):
                           "seeded with seed x 1000003 + a 32-bit hash, which must fit in 64 bits")
 
 
-def check_memory(args, world: int, cuda_available: bool):
+def check_memory(args, world: int):
     """Refuse a run whose memory lower bound (budget.py) exceeds what this machine, or each GPU, has."""
-    device = "cuda" if args.device == "cuda" or args.device == "auto" and cuda_available else "cpu"
+    device = args.device  # cpu or cuda, as check_device decided
     _, _, local_rank = world_from_env()
     per_stage = [sum(b.values()) for b in stages_bytes(args)]
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -196,15 +208,15 @@ def stages_bytes(args):
     return [stage_bytes(args, stored=1, chunks=args.pp) for _ in range(args.pp)]
 
 
-def check_config(args, world_size: int, cuda_available: bool):
+def check_config(args, world_size: int, gpus: int):
     """Fill in defaults that depend on the world size, then enforce every rule."""
     if args.pp is None:
         args.pp = world_size
     check_numbers(args)
     if args.pp != world_size:
         raise ConfigError(f"--pp {args.pp} must equal the world size {world_size} (torchrun --nproc_per_node)")
-    check_device(args.device, cuda_available)
+    check_device(args, world_size, gpus)
     check_model(args)
     check_files(args)
-    check_memory(args, world_size, cuda_available)
+    check_memory(args, world_size)
     return args

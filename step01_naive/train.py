@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from config import parse_flags
-from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
+from data import check_same_corpus, get_batch, load_tokens
+from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                         wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from pipeline import Stage, naive_forward_backward
 from report import gather_peaks, log_step, open_log, report
@@ -93,6 +94,7 @@ def train_step(run, step: int) -> dict:
     start = time.perf_counter()
     loss = compute_gradients(run, step)
     run.optimizer.step()
+    wait_for_device(run.device)  # the step ends when the GPU has run it (outside the schedule)
     elapsed = time.perf_counter() - start  # rank 0's step ends after the last stage's loss has reached it
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
@@ -111,6 +113,7 @@ def train(args):
     --log-json; a diverged loss stops every rank), then the report."""
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
+    check_same_corpus(run.tokens, args.data)  # before any step: one corpus on every node
     log = open_log(args)
     for step, record in enumerate(flushed_steps(run)):
         if step == args.steps - 1:

@@ -156,13 +156,17 @@ class PipelineComm:
 
     def _guarded(self, call, why):
         """call() (post or wait); a failure becomes PeerGone if a peer's connection closed (its process ended,
-        no timeout expired), else PeerTimeout: --timeout expired. why(verb) says what this rank was doing."""
+        no timeout expired), PeerTimeout if --timeout expired (faults.kind_of), and any other error (an NCCL set-up
+        failure, say) goes on with its own message. why(verb) says what this rank was doing."""
         try:
             return call()
         except RuntimeError as err:
-            if faults.kind_of(err) == "gone":
+            kind = faults.kind_of(err)
+            if kind == "gone":
                 raise PeerGone(why("was waiting for"), sorted({self.prev_rank, self.next_rank} - {None})) from err
-            raise PeerTimeout(why()) from err
+            if kind == "timeout":
+                raise PeerTimeout(why()) from err
+            raise
 
     def _box(self, queued):
         """The committed transfers' timeline box: send, recv or sendrecv, and what travelled, in the order

@@ -33,7 +33,17 @@ STALE_BEATS = 4  # a rank silent for this many beat intervals has stalled (or di
 GONE_BEATS = 2  # of two peers, one of whose connections closed, the one silent this long is gone (the other beats)
 LINGER_S = 20.0  # at most this long rank 0 keeps the store for the others (linger)
 READ_TIMEOUT_S = 10.0  # how long a reading rank waits for the store itself (a loaded machine answers slowly)
-CLOSED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+# What a failed wait says. gloo: "Connection closed by peer" or "reset by peer" once a peer's process ended,
+# "Timed out waiting 4000ms for recv operation to complete" once --timeout expired. NCCL, in PyTorch 2.13's
+# torch/csrc/distributed/c10d: a peer ended or the network failed, NCCLUtils.cpp getNcclErrorDetailStr
+# ("ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.");
+# --timeout expired, ProcessGroupNCCL.cpp WorkNCCL::checkTimeout ("Watchdog caught collective operation timeout:
+# WorkNCCL(...) ran for 4000 milliseconds before timing out."), which work.wait() raises only under
+# TORCH_NCCL_BLOCKING_WAIT=1 (WorkNCCL::wait); else the watchdog logs it and aborts the process. A later call on
+# the aborted communicator says "NCCL communicator was aborted on rank 1.  Original reason for failure was: ..."
+# (NCCLUtils.cpp NCCLComm::getNcclComm), so the original reason decides.
+CLOSED = re.compile(r"connection (closed|reset) by peer|broken pipe|remote process exiting prematurely", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed out|before timing out", re.IGNORECASE)
 
 
 class PeerTimeout(RuntimeError):
@@ -49,12 +59,13 @@ class PeerGone(RuntimeError):
 
 
 def kind_of(err: BaseException):
-    """'timeout' for an expired timeout, 'gone' for a closed connection, None for any other error."""
+    """'timeout' for an expired timeout, 'gone' for a closed connection (gloo's or NCCL's words), None for any
+    other error, which then goes on with its own message."""
     if isinstance(err, PeerTimeout):
         return "timeout"
     if isinstance(err, PeerGone) or CLOSED.search(str(err)):
         return "gone"
-    return "timeout" if "timed out" in str(err).lower() else None
+    return "timeout" if TIMED_OUT.search(str(err)) else None
 
 
 class Heartbeat:

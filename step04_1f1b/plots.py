@@ -70,7 +70,8 @@ def launch(nproc: int, argv, folder: str) -> str:
 
 
 def run_train(nproc: int, *flags, workdir: str):
-    """Run `train.py` of the current folder on `nproc` ranks (see launch).
+    """Run `train.py --device cpu` of the current folder on `nproc` ranks (see launch): the notebooks run on the
+    CPU, also where there are GPUs (a --device in flags comes later and wins).
 
     Each run gets its own subfolder of `workdir` for its trace and log.
     Returns stdout (with the reports; file names relative to the run's folder),
@@ -78,7 +79,7 @@ def run_train(nproc: int, *flags, workdir: str):
     """
     folder = tempfile.mkdtemp(dir=workdir)
     trace, log = os.path.join(folder, "trace.json"), os.path.join(folder, "log.jsonl")
-    stdout = launch(nproc, ["train.py", *flags, "--trace", trace, "--log-json", log], folder)
+    stdout = launch(nproc, ["train.py", "--device", "cpu", *flags, "--trace", trace, "--log-json", log], folder)
     with open(log) as f:
         records = [json.loads(line) for line in f]
     return SimpleNamespace(stdout=stdout.replace(folder + os.sep, ""), records=records, events=load_trace(trace))

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 import checkpoint
 from config import family, parse_flags
-from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
+from data import check_same_corpus, get_batch, load_tokens
+from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                         wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from finalize_grads import average_gradients, finalize_model_grads
 from memory import ActivationMeter
@@ -129,6 +130,7 @@ def train_step(run, step: int) -> dict:
     start = time.perf_counter()
     loss = compute_gradients(run, step)
     run.optimizer.step()
+    wait_for_device(run.device)  # the step ends when the GPU has run it (outside the schedule)
     elapsed = time.perf_counter() - start  # rank 0's step ends after the last stage's loss has reached it
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
@@ -149,6 +151,7 @@ def train(args):
     the report."""
     device = init_distributed(args.device, args.timeout)
     run = build(args, device)
+    check_same_corpus(run.tokens, args.data)  # before any step: one corpus on every node
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
     log = open_log(args)
     records = family(args).train_steps(run, partial(flushed_steps, start=start), replica_microbatches, share_loss,

@@ -32,9 +32,11 @@ assume every send can). `commit` posts its queue one of two ways (--p2p):
     ordered  Megatron's even/odd rule (its _p2p_ops): isend and irecv one by one,
              activations before gradients, even stages sending first and odd ones
              receiving first, then wait for all. Under tests/replay.py's model,
-             which completes each rank's operations in the order posted (PyTorch's
-             NCCL backend runs a lone isend or irecv on one stream per peer pair;
-             a conservative model), neighbours of opposite parity meet, first with first.
+             which completes each rank's operations in the order posted,
+             neighbours of opposite parity meet, first with first. The model is
+             exact for this code: distributed.py passes device_id, so NCCL starts
+             eagerly, and then a lone isend or irecv runs on the group's one
+             communicator (PyTorch PR #132900), serialised with the rank's others.
 
 Non-blocking receives, the two verbs of the interleaved schedule:
 
@@ -196,13 +198,17 @@ class PipelineComm:
 
     def _guarded(self, call, why):
         """call() (post or wait); a failure becomes PeerGone if a peer's connection closed (its process ended,
-        no timeout expired), else PeerTimeout: --timeout expired. why(verb) says what this rank was doing."""
+        no timeout expired), PeerTimeout if --timeout expired (faults.kind_of), and any other error (an NCCL set-up
+        failure, say) goes on with its own message. why(verb) says what this rank was doing."""
         try:
             return call()
         except RuntimeError as err:
-            if faults.kind_of(err) == "gone":
+            kind = faults.kind_of(err)
+            if kind == "gone":
                 raise PeerGone(why("was waiting for"), sorted({self.prev_rank, self.next_rank} - {None})) from err
-            raise PeerTimeout(why()) from err
+            if kind == "timeout":
+                raise PeerTimeout(why()) from err
+            raise
 
     def _box(self, queued):
         """The committed transfers' timeline box: send, recv or sendrecv, and what travelled, in the order

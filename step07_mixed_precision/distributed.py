@@ -25,10 +25,8 @@ def world_from_env():
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
-    """The device this rank computes on: --device auto takes CUDA where there is one; on CUDA, the GPU of this rank's
-    local index on its node."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    """The device this rank computes on: the CPU, or on CUDA the GPU of this rank's local index on its node.
+    `choice` is cpu or cuda, decided once per node by config.check_device (--device auto included)."""
     if choice == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -43,6 +41,10 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    # device_id makes NCCL start eagerly; then every lone isend or irecv runs on the group's one communicator,
+    # in the order posted (PyTorch PR #132900), and PyTorch warns once that they are serialised. Steps 01-02
+    # and --p2p ordered post them so: the course's schedules are built for that order (tests/replay.py).
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "0")
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     faults.start_heartbeat(timeout_s)  # each rank's sign of life, read by a rank that gives up (faults.py)
@@ -52,6 +54,13 @@ def init_distributed(device_choice: str, timeout_s: float) -> torch.device:
 def peak_memory_bytes(device: torch.device):
     """Peak allocated device memory since the last reset, or None where it is not tracked (CPU)."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def wait_for_device(device: torch.device):
+    """Block the host until the GPU has run everything queued on it, once at a step's end, so that the step's
+    clock stops after its last kernel, not when the host queued it. A CPU computes as it goes: no wait."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def reset_peak_memory(device: torch.device):

@@ -44,6 +44,7 @@ from functools import partial
 import torch
 
 from data import get_batch
+from distributed import wait_for_device
 from schedule import one_f_one_b_forward_backward
 from stage import PipelineStage
 
@@ -245,7 +246,8 @@ def train_steps(run, flushed_steps, replica_microbatches, share_loss, start_reco
     start = time.perf_counter()
     run.comm.begin_step()
     pipedream_forward_backward(run.stages, run.comm, microbatches)
-    run.comm.finish_sends()
+    run.comm.finish_sends()  # on NCCL this only makes the stream wait: the host's clock waits for the GPU
+    wait_for_device(run.device)
     elapsed = time.perf_counter() - start
     run.timeline.end_step()
     losses = [loss for stage in run.stages for loss in stage.losses]  # the last stage's, else none

@@ -44,8 +44,8 @@ forward's send and a backward's receive of the other direction travel together. 
 posted, the outputs it sends are freed, keeping their autograd graph (stage.deallocate_output).
 
 A pair is one unit: it waits for its forward's input and its backward's gradient together, and its
-outputs leave after both passes, because on a GPU the two passes overlap and end together. With no
-overlap (a CPU) that costs one F per link of the pipeline (idle_chains). --pairs sequential runs a
+outputs leave after both passes, as in DeepSeek's code, whose modules overlap the two. Here they run
+one after the other on one stream, on any device: that costs one F per link (idle_chains). --pairs sequential runs a
 pair as a forward and then a backward, each with its own commit; gloo runs it, while on in-order
 streams (the replay's model of NCCL, tests/replay.py) its batches deadlock, so it is CPU-only.
 
@@ -187,8 +187,8 @@ class TwoWayRank:
 
     def forward_backward(self, phase0: int, phase1: int, recv0=True):
         """F of phase0 and B of phase1, two different microbatches going opposite ways: one pair, whose
-        transfers go in the same batches. One CPU thread runs them one after the other; on a GPU the
-        stage's hook is where the overlap goes: cut both into pieces (attention, MLP, their collectives)
+        transfers go in the same batches. They run one after the other, on one stream, on any device; the
+        stage's hook is where an overlap would go: cut both into pieces (attention, MLP, their collectives)
         and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
         hides its expert all-to-all this way; its modules define their own overlapped_forward_backward."""
         if self.sequential_pairs:  # --pairs sequential: F's output leaves before B, B's gradient is waited for after F
@@ -406,7 +406,7 @@ def check_flags(args, cuda_available: bool):
     if args.pairs == "sequential" and args.schedule not in SCHEDULES:
         raise ValueError(f"--pairs sequential does not fit --schedule {args.schedule}: only dualpipe and "
                          "dualpipev run forward-backward pairs")
-    if args.pairs == "sequential" and (args.device == "cuda" or args.device == "auto" and cuda_available):
-        raise ValueError(f"--pairs sequential needs --device cpu (here --device {args.device} gives CUDA): "
-                         "a GPU overlaps a pair's two passes, and on NCCL's in-order streams the sequential "
-                         "pairs' batches deadlock (tests/replay.py); use --pairs overlapped")
+    if args.pairs == "sequential" and args.device == "cuda":  # config.check_device has decided the device
+        raise ValueError("--pairs sequential needs --device cpu (this run would use CUDA): on NCCL, whose "
+                         "transfers complete in the order posted, the sequential pairs' batches deadlock "
+                         "(tests/replay.py); use --pairs overlapped")

@@ -124,7 +124,7 @@ class PipelineStage:
 
     def overlapped_forward_backward(self, forward, backward):
         """DualPipe's pair, a forward of this stage and a backward of another microbatch, run one after the
-        other and drawn as one bracketed box (F&B): where a GPU would overlap them (dualpipe.py)."""
+        other on one stream, on any device, and drawn as one bracketed box (F&B): DeepSeek's overlap goes here."""
         with timeline.span("F&B", chunk=self.chunk):
             forward()
             backward()

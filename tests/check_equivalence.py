@@ -310,6 +310,8 @@ def main(step_dir: str, out_dir: str, cases_json: str):
     cases = json.loads(cases_json)
     status(out, rank, "joining the process group")
     choice = cases[0][cases[0].index("--device") + 1] if "--device" in cases[0] else "cpu"  # cuda: NCCL
+    if choice == "cuda":  # fp32 against the CPU reference: no TF32 (tests/test_cuda.py also sets the environment)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = distributed.init_distributed(choice, float(os.environ.get("PP_TEST_PG_TIMEOUT", 60)))
     for i, argv in enumerate(cases):
         out_case = out / f"case{i}"

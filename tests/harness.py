@@ -41,11 +41,11 @@ def free_port() -> int:
 
 
 def rank_env(rank: int, world: int, port: int) -> dict:
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
+    """What torchrun gives rank `rank` of `world` on one node. CUDA_VISIBLE_DEVICES stays as the user set it:
+    the CPU tests name --device cpu, and the CUDA tier uses the GPUs the user chose."""
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):

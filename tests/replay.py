@@ -13,10 +13,10 @@ functions, for every simulated rank of a pipeline. Two things are fake:
     tensor that says what it is, (kind, model chunk, microbatch).
 
 Each rank runs its schedule to the end alone. Then the ranks' posted operations
-are matched under a conservative model of NCCL, stricter than PyTorch's backend
-(which runs a lone isend/irecv on a stream per peer pair, a batch on one stream
-of the group): an order that completes here also completes where fewer
-operations are ordered.
+are matched under the model of NCCL this code runs on, exact, not a bound: the
+steps pass device_id to init_process_group (distributed.py), so NCCL starts
+eagerly, and then a lone isend/irecv runs on the group's one communicator, as a
+batch does (PyTorch PR #132900): a rank's transfers are serialised.
 
   * a rank's operations complete in the order they were posted, as if on one
     stream; the operations of one batch_isend_irecv are one fused group;

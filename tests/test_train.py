@@ -23,7 +23,7 @@ DEFAULT_BATCH, DEFAULT_SEQ_LEN = 8, 128  # --batch-size and --seq-len's defaults
 
 def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(step_dir / "train.py"), *flags]
+           str(step_dir / "train.py"), "--device", "cpu", *flags]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
@@ -41,9 +41,11 @@ def ranks_output(done) -> str:
 
 
 def train_py(step_dir, world: int, *flags: str, out):
-    """What rank 0 printed running `train.py flags` on `world` ranks; fails the test with the failed rank's output."""
+    """What rank 0 printed running `train.py --device cpu flags` on `world` ranks (on the CPU, also where GPUs
+    are: the CUDA tier is tests/test_cuda.py); fails the test with the failed rank's output."""
     try:
-        return launch([sys.executable, str(step_dir / "train.py"), *flags], world, out, timeout=180)[0]
+        return launch([sys.executable, str(step_dir / "train.py"), "--device", "cpu", *flags], world, out,
+                      timeout=180)[0]
     except RunFailed as failed:
         pytest.fail(str(failed), pytrace=False)
 
