@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
+from support.distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
 from model import ModelConfig, Transformer, split_layers
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from pipeline import Stage, gpipe_forward_backward
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

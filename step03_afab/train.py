@@ -14,19 +14,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import parse_flags
 from data import get_batch, load_tokens
-from distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
+from support.distributed import init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged
 from model import ModelConfig, Transformer, split_layers
 from finalize_grads import finalize_model_grads
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from schedule import afab_forward_backward
 from stage import PipelineStage
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

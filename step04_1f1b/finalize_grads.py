@@ -16,7 +16,7 @@ all, instead of one per microbatch.
 import torch
 import torch.distributed as dist
 
-import timeline
+from support import timeline
 
 
 def all_reduce_flat(grads, group, what=None, divide_by=1):

@@ -27,7 +27,7 @@ both copies are the same vocabulary rows, so shard meets shard.
 import torch
 import torch.distributed as dist
 
-import timeline
+from support import timeline
 
 
 def all_reduce_flat(grads, group, what=None, divide_by=1):

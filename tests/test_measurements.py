@@ -21,6 +21,7 @@ def test_measuring_code_gives_known_answers(step, step_dirs):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert len(report) >= 2 and not any(report.values()), report
+    assert step < "step02" or "meter" in report, f"{step}: the activation meter (support/memory.py) went unchecked"
 
 
 STEP = "step05_interleaved"  # the last step with just the three classic schedules

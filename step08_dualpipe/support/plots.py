@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch, Rectangle
 
-from timeline import busy_fractions, measured_steps
+from support.timeline import busy_fractions, measured_steps
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
           "B": "tab:pink", "W": "tab:olive",  # step 08: a backward split into input and weight gradients
