@@ -2,9 +2,14 @@
 
     torchrun --nproc_per_node 4 step01_naive/train.py
 
-Every rank holds a contiguous slice of the layers (one pipeline stage). Each
-optimizer step sends the whole batch forward through the stages and the
-gradients back, then every rank updates its own parameters.
+Every rank holds a contiguous slice of the layers (one pipeline stage). Each optimizer step sends the whole batch
+forward through the stages and the gradients back, then every rank updates its own parameters.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  pipeline.py           the idea: a stage, the four verbs, forward and backward steps, the schedule
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
 """
 import time
 from dataclasses import dataclass

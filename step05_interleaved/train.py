@@ -2,10 +2,20 @@
 
     torchrun --nproc_per_node 4 step05_interleaved/train.py --virtual-stages 2
 
-The model is cut into pp * v chunks; rank r holds chunks r, r + pp, r + 2 pp, ...
-Each microbatch goes round the ring of ranks v times, and the interleaved
-schedule keeps every rank busy with a different chunk while the pipeline fills.
---virtual-stages 1 runs step 04's schedules (1f1b, afab, pipedream) on the same code.
+The model is cut into pp * v chunks; rank r holds chunks r, r + pp, r + 2 pp, ... Each microbatch goes round the
+ring of ranks v times, and the interleaved schedule keeps every rank busy with a different chunk while the pipeline
+fills. --virtual-stages 1 runs step 04's schedules. New here: this file's build_model, then schedule.py's interleaved_*.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass

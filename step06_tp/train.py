@@ -2,10 +2,21 @@
 
     torchrun --nproc_per_node 4 step06_tp/train.py --tp 2 --pp 2
 
-Each stage's layers are split over tp ranks (Megatron-LM's tensor parallelism:
-attention by heads, the MLP by width, embedding and head by vocabulary), the
-stages form a pipeline run by any schedule of steps 03-05, and dp copies of the
-whole grid train on different data. --tp 1 is step 05.
+Each stage's layers are split over tp ranks (Megatron-LM's tensor parallelism: attention by heads, the MLP by width,
+embedding and head by vocabulary), the stages form a pipeline run by any schedule of steps 03-05, and dp copies of
+the whole grid train on different data. --tp 1 is step 05. New here: tensor_parallel.py, then model.py's Attention.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  tensor_parallel.py    a stage's layers split over the TP ranks
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass
