@@ -15,9 +15,9 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 
-from budget import machine_need, memory_available, stage_bytes
+from support.budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
-from distributed import world_from_env
+from support.distributed import world_from_env
 
 
 class ConfigError(ValueError):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from model import lm_loss
-from timeline import span
+from support.timeline import span
 
 
 def bubble_formula(args):

@@ -2,9 +2,14 @@
 
     torchrun --nproc_per_node 4 step01_naive/train.py
 
-Every rank holds a contiguous slice of the layers (one pipeline stage). Each
-optimizer step sends the whole batch forward through the stages and the
-gradients back, then every rank updates its own parameters.
+Every rank holds a contiguous slice of the layers (one pipeline stage). Each optimizer step sends the whole batch
+forward through the stages and the gradients back, then every rank updates its own parameters.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  pipeline.py           the idea: a stage, the four verbs, forward and backward steps, the schedule
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
 """
 import time
 from dataclasses import dataclass
@@ -14,12 +19,12 @@ import torch.distributed as dist
 
 from config import parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from pipeline import Stage, naive_forward_backward
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

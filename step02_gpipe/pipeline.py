@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from model import lm_loss
-from timeline import span
+from support.timeline import span
 
 
 def bubble_formula(args):

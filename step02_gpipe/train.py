@@ -2,10 +2,15 @@
 
     torchrun --nproc_per_node 4 step02_gpipe/train.py --microbatches 8 [--recompute]
 
-Every rank holds one pipeline stage. Each optimizer step splits the batch into
---microbatches pieces, pushes all of them forward through the pipeline, then
-all of them backward, accumulating gradients, then every rank updates its own
-parameters.
+Every rank holds one pipeline stage. Each optimizer step splits the batch into --microbatches pieces, pushes all of
+them forward through the pipeline, then all of them backward, accumulating gradients, then every rank updates its
+own parameters. New here: pipeline.py's gpipe_forward_backward, then support/memory.py's ActivationMeter.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  pipeline.py           the idea: a stage, the four verbs, forward and backward steps, the schedule
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
 """
 import time
 from dataclasses import dataclass
@@ -15,13 +20,13 @@ import torch.distributed as dist
 
 from config import parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from pipeline import Stage, gpipe_forward_backward
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

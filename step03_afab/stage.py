@@ -20,9 +20,9 @@ and `chunk` tells them apart in the activation meter and the timeline. The timel
 """
 import torch
 
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from model import lm_loss
-import timeline
+from support import timeline
 
 
 class PipelineStage:

@@ -2,11 +2,19 @@
 
     torchrun --nproc_per_node 4 step03_afab/train.py --pp 2 --dp 2
 
-The ranks form a (pp x dp) grid: dp replicas of a pp-stage pipeline. Each
-replica takes its shard of the global batch, splits it into --microbatches,
-and runs the AFAB schedule on the engine (process groups, point-to-point verbs,
-a stage wrapper); the replicas of each stage then average their gradients and
-every rank updates its own parameters.
+The ranks form a (pp x dp) grid: dp replicas of a pp-stage pipeline, each running the AFAB schedule on its shard of
+the global batch, split into --microbatches; the replicas of each stage then average their gradients. New here: the
+engine, the five files from process_groups.py to finalize_grads.py below, in that order.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
 """
 import time
 from dataclasses import dataclass
@@ -14,20 +22,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from finalize_grads import finalize_model_grads
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from schedule import afab_forward_backward
 from stage import PipelineStage
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

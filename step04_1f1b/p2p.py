@@ -52,9 +52,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import faults
-import timeline
-from faults import PeerGone, PeerTimeout
+from support import faults, timeline
+from support.faults import PeerGone, PeerTimeout
 
 ORDERINGS = ("batched", "ordered")
 ARTICLES = {"activation": "an activation", "gradient": "a gradient"}

@@ -27,9 +27,9 @@ import torch
 from torch.autograd import Variable
 from torch.func import functional_call
 
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from model import lm_loss
-import timeline
+from support import timeline
 
 
 def deallocate_output(out):

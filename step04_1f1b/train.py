@@ -3,8 +3,19 @@
     torchrun --nproc_per_node 4 step04_1f1b/train.py --microbatches 8 [--schedule afab|pipedream] [--deallocate]
 
 Same engine as step 03; each backward now starts as soon as the pipeline allows, so a stage holds at most p - stage
-microbatches of activations, not all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate
-frees sent outputs early; --schedule pipedream and pipedream-2bw (pipedream.py) run 1F1B with no flush.
+microbatches of activations, not all m. --p2p picks how a paired send and receive avoid deadlock; --deallocate frees
+sent outputs early. New here: schedule.py's one_f_one_b_forward_backward, then p2p.py's paired verbs, pipedream.py.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass
@@ -13,18 +24,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import family, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from finalize_grads import average_gradients, finalize_model_grads
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

@@ -2,10 +2,20 @@
 
     torchrun --nproc_per_node 4 step05_interleaved/train.py --virtual-stages 2
 
-The model is cut into pp * v chunks; rank r holds chunks r, r + pp, r + 2 pp, ...
-Each microbatch goes round the ring of ranks v times, and the interleaved
-schedule keeps every rank busy with a different chunk while the pipeline fills.
---virtual-stages 1 runs step 04's schedules (1f1b, afab, pipedream) on the same code.
+The model is cut into pp * v chunks; rank r holds chunks r, r + pp, r + 2 pp, ... Each microbatch goes round the
+ring of ranks v times, and the interleaved schedule keeps every rank busy with a different chunk while the pipeline
+fills. --virtual-stages 1 runs step 04's schedules. New here: this file's build_model, then schedule.py's interleaved_*.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass
@@ -14,19 +24,19 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import family, model_chunks, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from finalize_grads import average_gradients, finalize_model_grads
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from stage import VirtualStages
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

@@ -15,10 +15,10 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 
-import checkpoint
-from budget import machine_need, memory_available, stage_bytes
+from support import checkpoint
+from support.budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
-from distributed import world_from_env
+from support.distributed import world_from_env
 from model import ModelConfig
 from p2p import ORDERINGS
 import pipedream

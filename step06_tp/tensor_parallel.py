@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import timeline
+from support import timeline
 
 
 @dataclass(frozen=True)

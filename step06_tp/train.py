@@ -2,10 +2,21 @@
 
     torchrun --nproc_per_node 4 step06_tp/train.py --tp 2 --pp 2
 
-Each stage's layers are split over tp ranks (Megatron-LM's tensor parallelism:
-attention by heads, the MLP by width, embedding and head by vocabulary), the
-stages form a pipeline run by any schedule of steps 03-05, and dp copies of the
-whole grid train on different data. --tp 1 is step 05.
+Each stage's layers are split over tp ranks (Megatron-LM's tensor parallelism: attention by heads, the MLP by width,
+embedding and head by vocabulary), the stages form a pipeline run by any schedule of steps 03-05, and dp copies of
+the whole grid train on different data. --tp 1 is step 05. New here: tensor_parallel.py, then model.py's Attention.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  tensor_parallel.py    a stage's layers split over the TP ranks
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass
@@ -14,20 +25,20 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import family, model_chunks, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
 from finalize_grads import average_gradients, finalize_model_grads
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from stage import VirtualStages
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

@@ -1,17 +1,14 @@
 """After the schedule, before the optimizer step: every gradient made the one the optimizer must apply.
 
-Megatron-LM does this in one function, finalize_model_grads
-(megatron/core/distributed/finalize_model_grads.py), which train.compute_gradients
-calls once per optimizer step, after the schedule has run every backward and
-sent every gradient. Every reduction here is one all-reduce of one flat buffer
-(all_reduce_flat): one message, not one per tensor.
+Megatron-LM does this in one function, finalize_model_grads (megatron/core/distributed/finalize_model_grads.py),
+which train.compute_gradients calls once per optimizer step, after the schedule has run every backward and sent
+every gradient. Every reduction here is one all-reduce of one flat buffer (all_reduce_flat): one message, not one
+per tensor.
 
-Data parallelism across pipelines: average each stage's gradients over its
-replicas. Each data-parallel replica of a stage saw a different shard of the
-global batch. Averaging their gradients gives the gradient of the mean loss
-over the whole global batch (all shards are the same size). Gradients
-accumulate locally over the microbatches first, so one all-reduce moves them
-all, instead of one per microbatch.
+Data parallelism across pipelines: average each stage's gradients over its replicas. Each data-parallel replica of
+a stage saw a different shard of the global batch. Averaging their gradients gives the gradient of the mean loss
+over the whole global batch (all shards are the same size). Gradients accumulate locally over the microbatches
+first, so one all-reduce moves them all, instead of one per microbatch.
 
 Tied embeddings across the pipeline: one matrix, two stages (Megatron-LM's
 embedding group). With tied embeddings the LM head multiplies by the embedding
@@ -27,7 +24,7 @@ both copies are the same vocabulary rows, so shard meets shard.
 import torch
 import torch.distributed as dist
 
-import timeline
+from support import timeline
 
 
 def all_reduce_flat(grads, group, what=None, divide_by=1):

@@ -44,7 +44,7 @@ from functools import partial
 import torch
 
 from data import get_batch
-from distributed import wait_for_device
+from support.distributed import wait_for_device
 from schedule import one_f_one_b_forward_backward
 from stage import PipelineStage
 

@@ -2,11 +2,23 @@
 
     torchrun --nproc_per_node 2 step07_mixed_precision/train.py --precision bf16
 
-The stages compute and send in bf16 or fp16; each parameter's gradient is summed
-over the microbatches in fp32 and the optimizer steps fp32 master weights (as
-Megatron-LM's Float16OptimizerWithFloat16Params). fp16 scales the loss with a
-dynamic loss scaler, and an overflow on any rank makes every rank skip the step.
---precision fp32 is step 06.
+The stages compute and send in bf16 or fp16; each parameter's gradient is summed over the microbatches in fp32 and
+the optimizer steps fp32 master weights (as Megatron-LM's Float16OptimizerWithFloat16Params). fp16 scales the loss
+with a dynamic loss scaler, and an overflow on any rank makes every rank skip the step. --precision fp32 is step 06.
+New here: loss_scaler.py, then mixed_precision.py.
+
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  tensor_parallel.py    a stage's layers split over the TP ranks
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  mixed_precision.py    the optimizer step on fp32 masters, with loss_scaler.py's loss scale
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass
@@ -15,21 +27,21 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import family, model_chunks, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
 from finalize_grads import average_gradients, finalize_model_grads
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from stage import VirtualStages
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

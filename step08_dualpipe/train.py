@@ -8,22 +8,24 @@ gradients, which wait until the schedule has idle time. --schedule zb1p is 1F1B 
 dualpipe and dualpipev (DeepSeek-V3) run microbatches both ways through the pipeline, pairing one's forward with
 another's backward (--pairs sequential on a CPU). The other schedules run each backward whole, as in step 07.
 
-Opening the course here? This folder is the whole course in one program. New in this step: read
-weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
+Opening the course here? This folder is the whole course in one program, and the map below has a line for someone
+new to pipelines. New in this step: weight_grad_store.py, then dualpipe.py.
 
-  what one chunk computes: model.py (a chunk of the Transformer, parameters named as in the whole model),
-      tensor_parallel.py (its layers split over TP ranks), weight_grad_store.py (the Linear whose backward splits)
-  who is whom, how tensors move: process_groups.py (the pp x dp x tp grid, DualPipe's twins), p2p.py (transfers
-      queued and committed; Megatron's verbs)
-  one stage: stage.py (forward, backward, B and W of one microbatch)
-  what a rank keeps, and the schedules: schedule.py (the Stash; AFAB, 1F1B, interleaved, ZB-H1; their formulas)
-  DualPipe: dualpipe.py (DualPipe and DualPipeV: a schedule family of its own)
-  after the schedule: finalize_grads.py (data-parallel average, tied-embedding and twin sums), mixed_precision.py
-      and loss_scaler.py (the optimizer step)
-  flags and build: config.py (flags and their rules; which family runs a schedule), budget.py, data.py,
-      distributed.py, faults.py, checkpoint.py, and this file: build, one step, the training loop
-  what is measured: timeline.py, memory.py, report.py, plots.py
-  the side road: pipedream.py (PipeDream: 1F1B with no flush, step 04)
+Read in this order (support/ holds what keeps a run measured and safe: a first reading can skip it):
+  New to pipelines?     schedule.py's one_f_one_b_forward_backward, then Stash, PipelineStage, PipelineComm.communicate
+  model.py              split_layers and Transformer(first, last): the layers one stage holds
+  tensor_parallel.py    a stage's layers split over the TP ranks
+  weight_grad_store.py  the Linear whose backward splits into B now and W later
+  process_groups.py     who is whom: this rank's place in the grid, its neighbours, its groups
+  p2p.py                how tensors move: transfers queued and committed; Megatron's verbs
+  stage.py              one stage: the forward and backward of one microbatch
+  schedule.py           what a rank keeps (the Stash), the schedules, their formulas
+  dualpipe.py           DualPipe and DualPipeV: a schedule family of its own
+  finalize_grads.py     after the schedule: the gradients' all-reduces
+  mixed_precision.py    the optimizer step on fp32 masters, with loss_scaler.py's loss scale
+  train.py              this file: build, one step, the training loop
+  config.py, data.py    the flags and their rules; a batch from (seed, step)
+  pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
 import time
 from dataclasses import dataclass
@@ -32,22 +34,22 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from support import checkpoint
 from config import family, model_chunks, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
-from distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
-                         wait_for_device)
+from support.distributed import (init_distributed, one_line_errors, reset_peak_memory, shutdown, stop_if_diverged,
+                                 wait_for_device)
 from model import ModelConfig, Transformer, split_layers
 from tensor_parallel import TPGroup
 from finalize_grads import average_gradients, finalize_model_grads
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, make_scaler
-from memory import ActivationMeter
+from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from dualpipe import twin_copies
 from stage import VirtualStages
-from report import gather_peaks, log_step, open_log, report
-from timeline import Timeline, install
+from support.report import gather_peaks, log_step, open_log, report
+from support.timeline import Timeline, install
 
 
 def parse_args(argv=None):

@@ -81,8 +81,7 @@ def die_in_save(k: int):
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
-    import checkpoint
-    import distributed
+    from support import checkpoint, distributed
     import torch.distributed as dist
     import train
 

@@ -27,7 +27,7 @@ def main(step_dir: str, report_path: str, control: list, flags: list):
     sys.path.insert(0, os.path.abspath(step_dir))
     import torch
 
-    import timeline
+    from support import timeline
     import train
 
     log, lines = [], []

@@ -302,7 +302,7 @@ def reference_pipedream(args, out_case: Path):
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
-    import distributed
+    from support import distributed
     import torch.distributed as dist
     import train
 

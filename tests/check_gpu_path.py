@@ -174,9 +174,8 @@ def main(step_dir: str):
     import torch
 
     import config
-    import distributed
-    import faults
     import train
+    from support import distributed, faults
 
     report = dict(devices=devices(config, torch), faults={m: faults.kind_of(RuntimeError(m)) for m in MESSAGES},
                   guarded=guarded(step_dir), timing=timing(train, torch, step_dir), nccl=nccl_start(distributed, torch))

@@ -262,17 +262,18 @@ def check_deallocate_meter(model, memory, stage_module):
 def main(step_dir):
     sys.path.insert(0, os.path.abspath(step_dir))
     import model
-    import timeline
+    from support import timeline
 
     on_cuda = partial(timeline.Timeline, 0, torch.device("cuda"))
     report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline),
                   cuda_timing=check_cuda_timing(on_cuda), cuda_timing_controls=check_cuda_timing_controls(timeline))
     if os.path.exists(os.path.join(step_dir, "weight_grad_store.py")):  # step 08's backward split into B and W
         report["split_bubble"] = check_split_bubble(timeline)
-    if os.path.exists(os.path.join(step_dir, "memory.py")):
-        import memory
+    has_meter = os.path.exists(os.path.join(step_dir, "support", "memory.py"))  # step 02 on
+    if has_meter:
+        from support import memory
         report["meter"] = check_meter(memory)
-    if os.path.exists(os.path.join(step_dir, "pipeline.py")) and os.path.exists(os.path.join(step_dir, "memory.py")):
+    if os.path.exists(os.path.join(step_dir, "pipeline.py")) and has_meter:
         import pipeline
         report["recompute_input"] = check_gpipe_recompute_input(model, memory, pipeline)
     if os.path.exists(os.path.join(step_dir, "stage.py")):

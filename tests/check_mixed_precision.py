@@ -172,7 +172,7 @@ def main(step_dir, mode, out):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
     import data
-    import distributed
+    from support import distributed
     import mixed_precision
     import model
     import train

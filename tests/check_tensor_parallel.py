@@ -192,7 +192,7 @@ def scatter():
     """tp 2 x pp 2: what a stage receives with --scatter-gather, against a full send."""
     import p2p
     import process_groups
-    import timeline
+    from support import timeline
     import torch.distributed as dist
 
     pgm = process_groups.ProcessGroupManager(2, 1, 30, tp=2)
@@ -237,7 +237,7 @@ def main(step_dir, mode, out):
     if mode == "layout":
         found = layout()
     else:
-        import distributed
+        from support import distributed
         import torch.distributed as dist
 
         distributed.init_distributed("cpu", 60)

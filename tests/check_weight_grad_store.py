@@ -49,8 +49,7 @@ def same(a, b) -> bool:
 def main(step_dir, out):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
-    import distributed
-    import memory
+    from support import distributed, memory
     import model
     import stage
     import tensor_parallel

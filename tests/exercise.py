@@ -79,7 +79,9 @@ def stub_copy(exercise, folder):
 # ------------------------------------------------------------------------------------------------ copies
 
 def python_files(folder):
-    return {p.name: p.read_bytes() for p in folder.glob("*.py")}
+    """{path in the folder: bytes} of the step's code: its own files and its support/ package."""
+    files = [*folder.glob("*.py"), *folder.glob("support/*.py")]
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in files}
 
 
 def made_from(folder):

@@ -279,7 +279,7 @@ class Step:
         import p2p
         import process_groups
         import schedule
-        import timeline
+        from support import timeline
         self.config, self.p2p, self.groups = config, p2p, process_groups
         self.schedule, self.timeline = schedule, timeline
         # Every flushed schedule by name: schedule.py's, and step 08's DualPipe family's (dualpipe.py)

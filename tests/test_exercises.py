@@ -162,7 +162,7 @@ def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():
     # A send to a rank that does not exist can crash gloo (SIGSEGV): faulthandler prints every thread's frames,
     # newest first, the heartbeat's thread before the crashed one.
     crash = ["Fatal Python error: Segmentation fault", "", "Thread 0x7f46 (most recent call first):",
-             '  File "/course/mine/faults.py", line 75 in _beat', "", "Current thread 0x7f47 (most recent call first):",
+             '  File "/course/mine/support/faults.py", line 75 in _beat', "", "Current thread 0x7f47 (most recent call first):",
              '  File "/usr/lib/torch/distributed/distributed_c10d.py", line 2652 in isend',
              '  File "/course/mine/pipeline.py", line 72 in send_backward',
              '  File "/course/mine/pipeline.py", line 97 in backward_step', "", "Extension modules: torch._C"]

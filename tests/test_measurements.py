@@ -15,7 +15,7 @@ from conftest import STEPS
 from harness import REPO, launch
 
 
-TIMELINE = "timeline.py"  # the step's module whose COMPUTE lists the kinds of box the bubble counts as busy
+TIMELINE = "support/timeline.py"  # the step's module whose COMPUTE lists the kinds of box the bubble counts as busy
 SPLIT_STEPS = [step for step in STEPS if step >= "step08"]  # the backward split into B and W
 
 
@@ -32,6 +32,7 @@ def test_measuring_code_gives_known_answers(step, step_dirs):
     report = measures(step_dirs[step])
     assert len(report) >= 2 and not any(report.values()), report
     assert ("split_bubble" in report) == (step in SPLIT_STEPS), report
+    assert step < "step02" or "meter" in report, f"{step}: the activation meter (support/memory.py) went unchecked"
 
 
 @pytest.mark.parametrize("step", SPLIT_STEPS)

@@ -103,7 +103,7 @@ def main(step_dir, mode, out, *rest):
     import data
     import model
     import train
-    from distributed import init_distributed
+    from support.distributed import init_distributed
 
     rounds, flags = (int(rest[0]), list(rest[1:])) if mode == "bench" else (0, list(rest))
     args = train.parse_args(flags)

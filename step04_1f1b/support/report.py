@@ -15,9 +15,9 @@ from functools import partial
 import torch.distributed as dist
 
 from config import family
-from distributed import peak_memory_bytes
+from support.distributed import peak_memory_bytes
 from process_groups import describe_rank
-from timeline import bubble_report, gather_events, write_chrome_trace
+from support.timeline import bubble_report, gather_events, write_chrome_trace
 
 
 def rank_name(args):

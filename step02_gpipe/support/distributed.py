@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import faults
+from support import faults
 
 
 def world_from_env():

@@ -2,7 +2,7 @@
 measured memory and bubble beside the schedule's formulas.
 
     open_log(args)                  rank 0's --log-json file
-    log_step(record, log, scaler)   the step's line and its record (train.py calls it after every step)
+    log_step(record, log)           the step's line and its record (train.py calls it after every step)
     gather_peaks(run)               every rank's memory peaks of the last step (all ranks call it, once)
     report(run, last_record)        the memory report, the bubble report and the trace file
 
@@ -10,15 +10,14 @@ train.py calls the last two after its last step. tests/check_formulas.py, tests/
 tests/harness.py read the printed lines.
 """
 import json
-import math
 from functools import partial
 
 import torch.distributed as dist
 
 from config import family
-from distributed import peak_memory_bytes
+from support.distributed import peak_memory_bytes
 from process_groups import describe_rank
-from timeline import bubble_report, gather_events, write_chrome_trace
+from support.timeline import bubble_report, gather_events, write_chrome_trace
 
 
 def rank_name(args):
@@ -39,14 +38,12 @@ def open_log(args):
     return open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
 
 
-def log_step(record, log, scaler=None):
-    """Rank 0 prints the step's line (with the loss scale, given a scaler) and writes its record to --log-json."""
+def log_step(record, log):
+    """Rank 0 prints the step's line and writes its record to the --log-json file."""
     if dist.get_rank() != 0:
         return
-    scaling = f"  scale 2^{math.log2(record['loss_scale']):g}" if scaler else ""
     print(f"step {record['step']:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
-          f"{record['tokens_per_s']:9.0f} tokens/s{scaling}{'  skipped' if record.get('skipped') else ''}",
-          flush=True)
+          f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
     if log:
         log.write(json.dumps(record) + "\n")
 

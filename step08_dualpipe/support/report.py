@@ -16,10 +16,10 @@ from functools import partial
 import torch.distributed as dist
 
 from config import family
-from distributed import peak_memory_bytes
+from support.distributed import peak_memory_bytes
 from dualpipe import twin_copies
 from process_groups import describe_rank
-from timeline import bubble_report, gather_events, mean_durations, write_chrome_trace
+from support.timeline import bubble_report, gather_events, mean_durations, write_chrome_trace
 
 
 def rank_name(args):

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
-from timeline import busy_fractions, measured_steps
+from support.timeline import busy_fractions, measured_steps
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
           "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red"}

@@ -22,12 +22,11 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
-from timeline import busy_fractions, measured_steps
+from support.timeline import busy_fractions, measured_steps
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
-          "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red",
-          "tp allreduce": "black", "tp allgather": "tab:gray"}  # TP boxes sit inside forwards and backwards
-COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather")
+          "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red"}
+COMMUNICATION = ("send", "recv", "sendrecv", "allreduce")
 COMPUTE_HEIGHT, COMM_HEIGHT = 0.7, 0.25  # communication boxes are drawn thin: mostly waiting
 CHUNK_SHADE = 0.6  # how much lighter the last model chunk of a rank is drawn than the first
 
@@ -101,7 +100,7 @@ def load_trace(path: str):
             start = (b["ts"] - origin) / 1e6
             events.append(dict(kind=b["cat"], microbatch=b["args"]["microbatch"], step=step, rank=b["args"]["rank"],
                                start=start, end=start + b["dur"] / 1e6, chunk=b["args"].get("chunk"),
-                               what=b["args"].get("what"), bytes=b["args"].get("bytes")))
+                               what=b["args"].get("what")))
         origin = max(b["ts"] + b["dur"] for b in step_boxes)
     return events
 
@@ -134,12 +133,11 @@ def draw_timeline(events, step: int, ax=None, title=None):
         height = COMM_HEIGHT if e["kind"] in COMMUNICATION else COMPUTE_HEIGHT
         color, shade = chunk_color(e["kind"], e["chunk"], chunks)
         ax.broken_barh([(start_ms, width_ms)], (e["rank"] - height / 2, height),
-                       facecolors=[color], edgecolor="white", linewidth=0.5,
-                       zorder=3 if height == COMM_HEIGHT else 2)  # TP collectives lie inside compute boxes
+                       facecolors=[color], edgecolor="white", linewidth=0.5)
         label = f"{e['chunk']}:{e['microbatch']}" if chunks > 1 else str(e["microbatch"])
         if height == COMPUTE_HEIGHT and e["microbatch"] is not None and width_ms > char_ms * (len(label) + 1):
             ax.text(start_ms + width_ms / 2, e["rank"], label, ha="center", va="center",
-                    fontsize=7, color="white" if shade < 0.3 else "black", clip_on=True, zorder=4)
+                    fontsize=7, color="white" if shade < 0.3 else "black", clip_on=True)
     ranks = sorted({e["rank"] for e in step_events})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, -0.6)

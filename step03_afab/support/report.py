@@ -14,10 +14,10 @@ from functools import partial
 
 import torch.distributed as dist
 
-from distributed import peak_memory_bytes
+from support.distributed import peak_memory_bytes
 from process_groups import describe_rank
 from schedule import bubble_formula, peak_stored_microbatches
-from timeline import bubble_report, gather_events, write_chrome_trace
+from support.timeline import bubble_report, gather_events, write_chrome_trace
 
 
 def rank_name(args):
