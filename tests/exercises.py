@@ -14,11 +14,15 @@ Each entry:
               ("replay", [...], "two_way")     ... then DualPipe's eight phases (tests/two_way.py)
               ("equivalence", world, flags)    one small run against the single device (tests/harness.py)
               ("pytest", node id, ...)         the step's own tests of that function
-  hints     one or two; a (key word, hint) pair is shown instead of the first plain hint when the check's
-            report holds the key word (a deadlock calls for another hint than a wrong microbatch)
-  wrong     the typical wrong answers: (what, file, old text, new text, key words the diagnosis must show), old
-            and new texts or tuples of them (several places); applied to the course's own code, each must fail
-            its checks with those words in the diagnosis (tests/test_exercises.py)
+              ("verbs",)                       step 01's verbs alone on a fake transport (tests/check_exercises.py)
+  hints     three levels, shown one more at a time (check shows the first, --hint N up to N): the idea, where
+            to look, the answer's key; a (key word, hint) pair is shown instead of the first level when the
+            check's report holds the key word (a deadlock calls for another hint than a wrong microbatch)
+  wrong     the typical wrong answers and the incomplete ones: (what, file, old text, new text, key words the
+            diagnosis must show), old and new texts or tuples of them (several places); applied to the course's
+            own code, each must fail its checks with those words in the diagnosis (tests/test_exercises.py)
+  right     other right answers: (what, file, old text, new text), applied the same way; each must pass
+            every check (tests/test_exercises.py): the checks grade behaviour, not the course's wording
 
 A function that moves to another file or is renamed is updated here, in one place.
 """
@@ -34,15 +38,37 @@ EXERCISES = [
         task="Every schedule of the course is made of four point-to-point verbs. recv_forward receives the "
              "activation stage-1 computed (blocking dist.recv into a fresh buffer of stage.shape); send_forward "
              "sends this stage's output to stage+1 (detached: the graph stays here); recv_backward and "
-             "send_backward move d(loss)/d(activation) the other way. Wrap each in a span (timeline's, which "
-             "pipeline.py imports), as the other functions do.",
-        checks=[("equivalence", 2, ["--pp", "2", "--layers", "4"]),
+             "send_backward move d(loss)/d(activation) the other way. Wrap each message in a span (timeline's, "
+             "which pipeline.py imports), as the other functions wrap their compute: the trace draws a box per "
+             "span, and a message without one is invisible in it.",
+        checks=[("verbs",),
+                ("equivalence", 2, ["--pp", "2", "--layers", "4"]),
                 ("equivalence", 4, ["--pp", "4", "--layers", "6"])],
-        hints=["Stage s talks to ranks s-1 and s+1 only: stage.index is the rank in the pipeline.",
-               "A received tensor needs a buffer: torch.empty(stage.shape, device=stage.device)."],
+        hints=["Stage s talks to its two neighbours only, and a message exists in the trace only inside a span.",
+               "stage.index is the rank in the pipeline; a received tensor needs a buffer of stage.shape; "
+               "forward_step shows how a span wraps work.",
+               'with span("recv", what="recv activation"): dist.recv(x, src=stage.index - 1), into '
+               "x = torch.empty(stage.shape, device=stage.device); sends go to stage.index + 1 (activations) "
+               "or stage.index - 1 (gradients)."],
         wrong=[("the gradient sent forward, not back", "pipeline.py",
                 "dist.send(input_grad, dst=stage.index - 1)", "dist.send(input_grad, dst=stage.index + 1)",
-                ["send_backward"])],
+                ["send_backward on stage 1 of 4", "rank 2", "expected rank 0"]),
+               ("incomplete: no span around the messages", "pipeline.py",
+                ('    with span("recv", what="recv activation"):\n        dist.recv(x, src=stage.index - 1)',
+                 '    with span("send", what="send activation"):\n        dist.send(out.detach(), dst=stage.index + 1)',
+                 '    with span("recv", what="recv gradient"):\n        dist.recv(grad, src=stage.index + 1)',
+                 '    with span("send", what="send gradient"):\n        dist.send(input_grad, dst=stage.index - 1)'),
+                ("    dist.recv(x, src=stage.index - 1)", "    dist.send(out.detach(), dst=stage.index + 1)",
+                 "    dist.recv(grad, src=stage.index + 1)", "    dist.send(input_grad, dst=stage.index - 1)"),
+                ["recorded no message span", "recv_forward on stage 1"])],
+        right=[("non-blocking operations, waited for at once", "pipeline.py",
+                ("dist.recv(x, src=stage.index - 1)", "dist.send(out.detach(), dst=stage.index + 1)"),
+                ("dist.irecv(x, src=stage.index - 1).wait()", "dist.isend(out.detach(), dst=stage.index + 1).wait()")),
+               ("zeroed buffers, the span around the allocation too", "pipeline.py",
+                ('    x = torch.empty(stage.shape, device=stage.device)\n    with span("recv", what="recv activation"):\n'
+                 '        dist.recv(x, src=stage.index - 1)'),
+                ('    with span("recv", what="recv activation"):\n        x = torch.zeros(stage.shape, device=stage.device)\n'
+                 '        dist.recv(x, src=stage.index - 1)'))],
     ),
     dict(
         id="01.naive", step="step01_naive",
@@ -52,10 +78,15 @@ EXERCISES = [
              "a time. Use forward_step and backward_step; the last stage returns its (detached) loss, the "
              "others None.",
         checks=[("equivalence", 2, ["--pp", "2", "--layers", "4"])],
-        hints=["forward_step returns (stage input, stage output); backward_step needs both."],
+        hints=["One batch goes forward through every stage, then backward: each rank does both, in turn.",
+               "forward_step returns (stage input, stage output); backward_step needs both.",
+               "x, out = forward_step(...); backward_step(stage, x, out); the last stage returns out.detach()."],
         wrong=[("the backward left out", "pipeline.py",
                 "    backward_step(stage, x, out)\n", "",
                 ["no gradient"])],
+        right=[("the last stage's return written as an if", "pipeline.py",
+                "    return out.detach() if stage.is_last else None",
+                "    if not stage.is_last:\n        return None\n    return out.detach()")],
     ),
     # ---------------------------------------------------------------- step 02: GPipe
     dict(
@@ -67,11 +98,17 @@ EXERCISES = [
              "returns the mean of the microbatch losses.",
         checks=[("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4"]),
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--recompute"])],
-        hints=["The batch loss is the mean of m microbatch losses: sum them, divide by m.",
-               "Drop your reference to a microbatch's tensors after its backward, or the memory stays."],
+        hints=["Fill, then drain: keep what each backward needs until every forward is done.",
+               "The batch loss is the mean of m microbatch losses; a kept tensor you still reference after its "
+               "backward keeps its memory.",
+               "Sum the last stage's detached losses and divide by m; set each kept (input, output) to None after "
+               "its backward_step."],
         wrong=[("the loss summed, not averaged", "pipeline.py",
                 "return None if loss_sum is None else loss_sum / len(microbatches)",
                 "return None if loss_sum is None else loss_sum", ["loss at step"])],
+        right=[("the mean as a product with 1/m", "pipeline.py",
+                "return None if loss_sum is None else loss_sum / len(microbatches)",
+                "return None if loss_sum is None else loss_sum * (1 / len(microbatches))")],
     ),
     dict(
         id="02.seed", step="step02_gpipe",
@@ -84,11 +121,15 @@ EXERCISES = [
              "backward. Send x.grad to the previous stage unless this is the first.",
         checks=[("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4"]),
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--recompute"])],
-        hints=["d(batch mean)/d(microbatch mean) = 1/m: torch.full_like(out, 1 / microbatches).",
-               "A recomputed input must be a fresh leaf that requires grad (except on the first stage)."],
+        hints=["The batch loss is the mean of m microbatch losses: each microbatch's loss weighs 1/m.",
+               "The last stage seeds its backward itself; with --recompute, the kept input must become a fresh "
+               "leaf that requires grad (except on the first stage).",
+               "out_grad = torch.full_like(out, 1 / microbatches) on the last stage."],
         wrong=[("the loss seeded with 1, not 1/m", "pipeline.py",
                 "out_grad = torch.full_like(out, 1 / microbatches)", "out_grad = torch.full_like(out, 1.0)",
                 ["grad of"])],
+        right=[("the seed as ones divided by m", "pipeline.py",
+                "out_grad = torch.full_like(out, 1 / microbatches)", "out_grad = torch.ones_like(out) / microbatches")],
     ),
     # ---------------------------------------------------------------- step 03: the engine
     dict(
@@ -97,16 +138,34 @@ EXERCISES = [
         summary="every forward (receive, run, send), then every backward, in microbatch order; return stash.loss",
         task="The engine's first schedule, on its classes: a Stash keeps what each microbatch's backward "
              "needs, comm (a PipelineComm) moves tensors. Forward every microbatch (comm.recv_forward, "
-             "stash.forward, comm.send_forward, stash.deallocate), then backward every microbatch "
-             "(comm.recv_backward, stash.backward, comm.send_backward).",
-        checks=[("equivalence", 2, ["--pp", "2", "--dp", "1", "--layers", "4", "--microbatches", "4"]),
+             "stash.forward, comm.send_forward), then backward every microbatch in microbatch order, 0 first "
+             "(comm.recv_backward, stash.backward, comm.send_backward): the gradients come back in the order "
+             "the activations went out.",
+        checks=[("replay", ["afab"]),
+                ("equivalence", 2, ["--pp", "2", "--dp", "1", "--layers", "4", "--microbatches", "4"]),
                 ("equivalence", 4, ["--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "4"])],
-        hints=["The first stage's recv_forward returns None and its stash reads the tokens; the last "
-               "stage's recv_backward returns None and the stash seeds the loss: no special cases needed."],
+        hints=["Two loops over the microbatches: every forward, then every backward, both from microbatch 0.",
+               "The first stage's recv_forward returns None and its stash reads the tokens; the last "
+               "stage's recv_backward returns None and the stash seeds the loss: no special cases needed.",
+               "out = stash.forward(mb, comm.recv_forward()); comm.send_forward(out); then "
+               "comm.send_backward(stash.backward(mb, comm.recv_backward())); return stash.loss."],
         wrong=[("the received gradient ignored", "schedule.py",
                 "comm.send_backward(stash.backward(mb, comm.recv_backward()))",
                 "comm.recv_backward()\n        comm.send_backward(stash.backward(mb, None))",
-                ["grad can be implicitly created only for scalar outputs"])],
+                ["backward of chunk", "microbatch 0"]),
+               ("incomplete: the backwards in reverse microbatch order", "schedule.py",
+                "    for mb in range(len(microbatches)):\n        comm.send_backward",
+                "    for mb in reversed(range(len(microbatches))):\n        comm.send_backward",
+                ["backwards ran for microbatches 1, 0", "not in microbatch order"])],
+        right=[("the backward loop in three statements", "schedule.py",
+                "        comm.send_backward(stash.backward(mb, comm.recv_backward()))",
+                "        out_grad = comm.recv_backward()\n        input_grad = stash.backward(mb, out_grad)\n"
+                "        comm.send_backward(input_grad)"),
+               ("the loops over enumerate(microbatches)", "schedule.py",
+                ("    for mb in range(len(microbatches)):\n        out =",
+                 "    for mb in range(len(microbatches)):\n        comm.send_backward"),
+                ("    for mb, _ in enumerate(microbatches):\n        out =",
+                 "    for mb, _ in enumerate(microbatches):\n        comm.send_backward"))],
     ),
     dict(
         id="03.verbs", step="step03_afab",
@@ -118,14 +177,22 @@ EXERCISES = [
              "posts the P2POps of one exchange together. Write each verb as one call of it, returning the "
              "received tensor: an activation comes from the previous stage, a gradient from the next. The "
              "first stage receives no activation and sends no gradient; the last the reverse.",
-        checks=[("equivalence", 2, ["--pp", "2", "--dp", "1", "--layers", "4", "--microbatches", "4"]),
+        checks=[("replay", ["afab"]),
+                ("equivalence", 2, ["--pp", "2", "--dp", "1", "--layers", "4", "--microbatches", "4"]),
                 ("equivalence", 4, ["--pp", "4", "--dp", "1", "--layers", "4", "--microbatches", "4"])],
-        hints=["communicate returns (from previous, from next): take the one you asked for.",
-               "self.is_first and self.is_last say where the pipeline ends."],
+        hints=["Activations flow to the next stage, gradients to the previous; the pipeline's ends skip one side.",
+               "communicate returns (from previous, from next); self.is_first and self.is_last say where the "
+               "pipeline ends.",
+               "recv_backward: None if self.is_last else self.communicate(recv_next=True)[1]; "
+               "send_backward: if not self.is_first: self.communicate(send_prev=input_grad)."],
         wrong=[("the gradient received from the previous stage", "p2p.py",
                 "return None if self.is_last else self.communicate(recv_next=True)[1]",
                 "return None if self.is_first else self.communicate(recv_prev=True)[0]",
-                ["error"])],
+                ["backward of chunk"])],
+        right=[("the received tensor unpacked by name", "p2p.py",
+                "        return None if self.is_first else self.communicate(recv_prev=True)[0]",
+                "        if self.is_first:\n            return None\n        from_previous, _ = "
+                "self.communicate(recv_prev=True)\n        return from_previous")],
     ),
     # ---------------------------------------------------------------- step 04: 1F1B
     dict(
@@ -136,8 +203,13 @@ EXERCISES = [
              "stage, enough to fill the pipeline below it, and never more than the m microbatches there are.",
         checks=[("replay", ["1f1b"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
-        hints=["The last stage runs no warm-up: its forward's output is the loss, its backward can start at once.",
-               "Count the stages below s: p-s-1."],
+        hints=["A stage's first backward waits for its microbatch to reach the last stage and come back.",
+               "The last stage runs no warm-up: its forward's output is the loss, its backward can start at once; "
+               "count the stages below s.",
+               "min(p - s - 1, m)."],
+        right=[("the cap written as an if", "schedule.py",
+                "return min(pp - stage - 1, microbatches)",
+                "return pp - stage - 1 if pp - stage - 1 < microbatches else microbatches")],
         wrong=[("one forward too many", "schedule.py",
                 "return min(pp - stage - 1, microbatches)", "return min(pp - stage, microbatches)",
                 ["forwards before the first backward", "warm-up"])],
@@ -151,12 +223,17 @@ EXERCISES = [
              "the newest microbatch, then backward the oldest, using the combined verbs "
              "send_forward_recv_backward and send_backward_recv_forward (the neighbour is sending to you at "
              "that moment: posted apart, the two sends can deadlock). Cool-down: the remaining backwards. "
-             "PipeDream (pipedream.py) runs its whole run through this same function.",
+             "Free each sent output with stash.deallocate(mb) (with --deallocate "
+             "the stage drops its values). PipeDream (pipedream.py) runs its whole run through this same function.",
         checks=[("replay", ["1f1b"]),
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--p2p", "ordered"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
-        hints=["In the steady state's i-th round the forward is of microbatch warmup+i, the backward of microbatch i.",
-               "The last steady round sends its input gradient alone: there is no next input to receive.",
+        hints=["Three phases: warm-up forwards, one forward and one backward (the oldest) at a time, the rest of "
+               "the backwards; each sent output is freed.",
+               "In the steady state's i-th round the forward is of microbatch warmup+i, the backward of microbatch "
+               "i; the last steady round sends its input gradient alone: there is no next input to receive.",
+               "out_grad = comm.send_forward_recv_backward(stash.forward(warmup + i, x)); stash.deallocate("
+               "warmup + i); x = comm.send_backward_recv_forward(stash.backward(i, out_grad)).",
                ("deadlock", "Posted apart, a send waits for its receive, and both neighbours send first: post each "
                 "send with the receive of the same round in one exchange (send_forward_recv_backward, "
                 "send_backward_recv_forward).")],
@@ -168,7 +245,21 @@ EXERCISES = [
                  "            x = comm.send_backward_recv_forward(input_grad)"),
                 ("        comm.send_forward(out)\n        out_grad = comm.recv_backward()",
                  "            comm.send_backward(input_grad)\n            x = comm.recv_forward()"),
-                ["deadlock", "NCCL"])],
+                ["deadlock", "NCCL"]),
+               ("incomplete: no stash.deallocate", "schedule.py",
+                ("        comm.send_forward(stash.forward(mb, comm.recv_forward()))\n        stash.deallocate(mb)\n",
+                 "        stash.deallocate(fwd_mb)\n"),
+                ("        comm.send_forward(stash.forward(mb, comm.recv_forward()))\n", ""),
+                ["never deallocated", "--deallocate frees nothing"])],
+        right=[("the last steady round tested the other way", "schedule.py",
+                "        if i == steady - 1:\n            comm.send_backward(input_grad)\n        else:  # send the "
+                "gradient back while the previous stage sends our next input\n            x = "
+                "comm.send_backward_recv_forward(input_grad)",
+                "        if i < steady - 1:\n            x = comm.send_backward_recv_forward(input_grad)\n"
+                "        else:\n            comm.send_backward(input_grad)"),
+               ("the output freed after the backward", "schedule.py",
+                "        stash.deallocate(fwd_mb)\n        input_grad = stash.backward(bwd_mb, out_grad)\n",
+                "        input_grad = stash.backward(bwd_mb, out_grad)\n        stash.deallocate(fwd_mb)\n")],
     ),
     dict(
         id="04.dealloc", step="step04_1f1b",
@@ -180,8 +271,15 @@ EXERCISES = [
              "runs the backward without the shape check). Refuse a view: freeing it frees nothing.",
         checks=[("pytest", "tests/test_measurements.py::test_measuring_code_gives_known_answers[{step}]"),
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--deallocate"])],
-        hints=["Assigning to a local name frees nothing: change what the tensor object holds (its .data).",
-               "out._base is not None for a view."],
+        hints=["The graph needs the output tensor object, not its values: keep the object, swap its storage.",
+               "Assigning to a local name frees nothing: change what the tensor object holds; out._base is not "
+               "None for a view.",
+               "assert out._base is None; out.data = torch.empty((1,), device=out.device, dtype=out.dtype)."],
+        right=[("a zeroed one-element storage, a view refused by an exception", "stage.py",
+                ('    assert out._base is None, "freeing a view would not free the memory of the tensor it views"',
+                 "out.data = torch.empty((1,), device=out.device, dtype=out.dtype)"),
+                ('    if out._base is not None:\n        raise ValueError("freeing a view frees nothing")',
+                 "out.data = torch.zeros(1, device=out.device, dtype=out.dtype)"))],
         wrong=[("a new tensor bound to the local name", "stage.py",
                 "out.data = torch.empty((1,), device=out.device, dtype=out.dtype)",
                 "out = torch.empty((1,), device=out.device, dtype=out.dtype)",
@@ -198,8 +296,14 @@ EXERCISES = [
              "a version per batch of m: batch t runs on W(t-1), batches 0 and 1 on W(0).",
         checks=[("replay", ["1f1b"], "pipedream"),
                 ("pytest", "tests/test_schedules.py::test_pipedream_weight_versions[{step}]")],
-        hints=["Versions count from 0 and never go below it: max(0, ...).",
-               "mb // m is the batch of microbatch mb."],
+        hints=["A version is the number of updates the weights have had; a forward must run on the version its "
+               "backward will see.",
+               "Versions count from 0 and never go below it; mb // m is the batch of microbatch mb; stage 0 is "
+               "p-1 forwards ahead of its backwards.",
+               "2BW: max(0, mb // m - 1); vertical sync: max(0, mb - (p - 1)); else None."],
+        right=[("2BW's first batches written as an if", "pipedream.py",
+                "return lambda mb: max(0, mb // args.microbatches - 1)",
+                "return lambda mb: mb // args.microbatches - 1 if mb >= args.microbatches else 0")],
         wrong=[("vertical sync one version off", "pipedream.py",
                 "return lambda mb: max(0, mb - (args.pp - 1))", "return lambda mb: max(0, mb - args.pp)",
                 ["version"])],
@@ -216,7 +320,14 @@ EXERCISES = [
              "more than the v·m there are.",
         checks=[("replay", ["interleaved"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
-        hints=["Megatron-LM: num_warmup_microbatches = (pp - rank - 1) * 2 + (v - 1) * pp, capped at the total."],
+        hints=["The first backward waits for an activation to go down the ring and its gradient to come back, "
+               "while every other chunk of the rank fills.",
+               "Count the trip below the rank twice, add a full round of p for each other chunk, cap at v·m.",
+               "Megatron-LM: num_warmup_microbatches = (pp - rank - 1) * 2 + (v - 1) * pp, capped at the total."],
+        right=[("the sum named, the cap written as an if", "schedule.py",
+                "    return min((pp - stage - 1) * 2 + (virtual - 1) * pp, microbatches * virtual)",
+                "    warmup = 2 * (pp - stage - 1) + pp * (virtual - 1)\n"
+                "    return warmup if warmup < microbatches * virtual else microbatches * virtual")],
         wrong=[("the ring's return trip forgotten", "schedule.py",
                 "return min((pp - stage - 1) * 2 + (virtual - 1) * pp, microbatches * virtual)",
                 "return min((pp - stage - 1) + (virtual - 1) * pp, microbatches * virtual)",
@@ -228,11 +339,19 @@ EXERCISES = [
         summary="return (model chunk of this rank, microbatch) of the k-th virtual microbatch, forward or backward",
         task="Virtual microbatches go round in groups of p: the first p are microbatches 0..p-1 on chunk 0, "
              "the next p the same microbatches on chunk 1, and so on; after v groups, the next p "
-             "microbatches. Backwards visit the chunks in the reverse order: the last chunk first.",
+             "microbatches. Backwards visit the chunks in the reverse order: the last chunk first, since a "
+             "chunk's gradient comes from the chunk after it.",
         checks=[("replay", ["interleaved"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
-        hints=["chunk = (k // p) % v; microbatch = (k // (p·v))·p + k % p.",
-               "The backward of chunk c needs chunk c+1's gradient: walk the chunks from v-1 down."],
+        hints=["Virtual microbatches go in groups of p; a round of v groups visits every chunk once.",
+               "The backward of chunk c needs chunk c+1's gradient: backwards walk the chunks from v-1 down; "
+               "k // p counts groups, k % p is the place in the group.",
+               "chunk = (k // p) % v; microbatch = (k // (p·v))·p + k % p."],
+        right=[("divmod, the backward's chunk flipped by an if", "schedule.py",
+                "    chunk = (k // pp) % virtual\n    return (chunk if forward else virtual - 1 - chunk), "
+                "(k // (pp * virtual)) * pp + k % pp",
+                "    group, within = divmod(k, pp * virtual)\n    chunk, offset = divmod(within, pp)\n"
+                "    if not forward:\n        chunk = virtual - 1 - chunk\n    return chunk, group * pp + offset")],
         wrong=[("backwards on the forward's chunk order", "schedule.py",
                 "return (chunk if forward else virtual - 1 - chunk)", "return chunk",
                 ["cannot run", "interleaved_actions"])],
@@ -247,7 +366,15 @@ EXERCISES = [
              "done, then the remaining backwards. interleaved_actions then decides when each message moves.",
         checks=[("replay", ["interleaved"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
-        hints=["As in 1F1B: the steady state's i-th pair is (\"F\", warmup + i), (\"B\", i)."],
+        hints=["It is 1F1B again, over v·m virtual microbatches: warm-up, steady pairs, cool-down.",
+               "interleaved_warmup gives the warm-up; the steady state runs until every forward is done.",
+               "As in 1F1B: the steady state's i-th pair is (\"F\", warmup + i), (\"B\", i)."],
+        right=[("one loop appending each action", "schedule.py",
+                "    steady = [compute for i in range(total - warmup) for compute in ((\"F\", warmup + i), (\"B\", i))]\n"
+                "    return [(\"F\", k) for k in range(warmup)] + steady + [(\"B\", k) for k in range(total - warmup, total)]",
+                "    actions = [(\"F\", k) for k in range(warmup)]\n    for i in range(total - warmup):\n"
+                "        actions += [(\"F\", warmup + i), (\"B\", i)]\n"
+                "    return actions + [(\"B\", k) for k in range(total - warmup, total)]")],
         wrong=[("the cool-down left out", "schedule.py",
                 ' + [("B", k) for k in range(total - warmup, total)]', "",
                 ["not each microbatch once"])],
@@ -265,8 +392,15 @@ EXERCISES = [
              "input: each rank's product is a partial sum, and g (reduce_from_tp_region) adds them up.",
         checks=[("pytest", "tests/test_tensor_parallel.py::test_each_split_layer_matches_the_operation_it_splits[{step}]"),
                 ("equivalence", 2, ["--tp", "2", "--layers", "2", "--microbatches", "1"])],
-        hints=["F.linear(x, self.weight) is x W^T for this rank's shard.",
-               "Only one of the two communicates in the forward."],
+        hints=["Split the output features and each rank has a slice, no sum; split the input features and "
+               "each rank has a partial sum.",
+               "Only one of the two communicates in the forward; F.linear(x, self.weight) is x W^T for this "
+               "rank's shard.",
+               "column: F.linear(x, self.weight); row: reduce_from_tp_region(F.linear(x, self.weight), self.tp)."],
+        right=[("the row's partial product named first", "tensor_parallel.py",
+                "        return reduce_from_tp_region(F.linear(x, self.weight), self.tp)",
+                "        partial = F.linear(x, self.weight)  # this rank's share of the sum\n"
+                "        return reduce_from_tp_region(partial, self.tp)")],
         wrong=[("the row-parallel sum left out", "tensor_parallel.py",
                 "return reduce_from_tp_region(F.linear(x, self.weight), self.tp)", "return F.linear(x, self.weight)",
                 ["row"])],
@@ -282,9 +416,17 @@ EXERCISES = [
              "partial outputs in the forward, and passes the gradient through unchanged.",
         checks=[("pytest", "tests/test_tensor_parallel.py::test_each_split_layer_matches_the_operation_it_splits[{step}]"),
                 ("equivalence", 2, ["--tp", "2", "--layers", "2", "--microbatches", "1"])],
-        hints=["all_reduce(x, tp, what) sums in place and returns x: name it as the controls do "
-               "(\"f backward\", \"g forward\").",
-               "A backward returns one gradient per forward input: (grad, None) for (x, tp)."],
+        hints=["Whatever every rank used whole in the forward, it must sum the gradient of in the backward; "
+               "whatever is split, it sums in the forward.",
+               "all_reduce(x, tp, what) sums in place and returns x: name it as the controls do "
+               "(\"f backward\", \"g forward\"); a backward returns one gradient per forward input.",
+               'f backward: return all_reduce(grad.contiguous(), ctx.tp, "f backward"), None; '
+               'g forward: return all_reduce(x, tp, "g forward").'],
+        right=[("g's sum returned by name, f's gradient cloned", "tensor_parallel.py",
+                ('        return all_reduce(x, tp, "g forward")',
+                 '        return all_reduce(grad.contiguous(), ctx.tp, "f backward"), None'),
+                ('        all_reduce(x, tp, "g forward")\n        return x',
+                 '        total = all_reduce(grad.clone(), ctx.tp, "f backward")\n        return total, None'))],
         wrong=[("f's backward without its all-reduce", "tensor_parallel.py",
                 'return all_reduce(grad.contiguous(), ctx.tp, "f backward"), None', "return grad, None",
                 ["column"])],
@@ -300,8 +442,14 @@ EXERCISES = [
              "for the backward.",
         checks=[("pytest", "tests/test_tensor_parallel.py::test_each_split_layer_matches_the_operation_it_splits[{step}]"),
                 ("equivalence", 2, ["--tp", "2", "--layers", "2", "--microbatches", "1"])],
-        hints=["vocab_range gives this rank's [start, end) of the vocabulary.",
-               "A target outside the range must contribute 0, and must not index out of the slice."],
+        hints=["log-sum-exp over a split vocabulary: a shared maximum, a sum of exponentials, and the target's "
+               "logit from the one rank that holds it.",
+               "vocab_range gives this rank's [start, end) of the vocabulary; a target outside the range must "
+               "contribute 0, and must not index out of the slice.",
+               "all_reduce the row max with MAX, the masked target logit and the exp-sum with SUM; loss = "
+               "log(sum) - target logit; save the softmax slice."],
+        right=[("the exponentials out of place", "tensor_parallel.py",
+                "        exp = shifted.exp_()", "        exp = shifted.exp()")],
         wrong=[("the row maxima summed", "tensor_parallel.py",
                 'all_reduce(row_max, tp, "loss max", dist.ReduceOp.MAX)', 'all_reduce(row_max, tp, "loss max")',
                 ["cross"])],
@@ -318,8 +466,15 @@ EXERCISES = [
              "scale grows by the growth factor and the hysteresis is restored.",
         checks=[("pytest", "tests/test_loss_scaler.py::test_dynamic_scaler_follows_megatron_rules[{step}]",
                  "tests/test_loss_scaler.py::test_state_dict_round_trip_mid_sequence[{step}]")],
-        hints=["Hysteresis is restored only on growth, not after every clean step.",
-               "max(scale * backoff, min_scale) keeps the floor."],
+        hints=["Hysteresis forgives a few overflows since the last growth, not in a row; growth needs a full "
+               "window of clean steps.",
+               "Hysteresis is restored only on growth, not after every clean step; the floor holds on backoff.",
+               "overflow: growth_tracker = 0, hysteresis_tracker -= 1, if <= 0: scale = max(scale * backoff, "
+               "min_scale); clean: growth_tracker += 1, at growth_interval: reset it, restore hysteresis, grow."],
+        right=[("the floor written as an if", "loss_scaler.py",
+                "                self.scale = max(self.scale * self.backoff_factor, self.min_scale)",
+                "                self.scale = self.scale * self.backoff_factor\n"
+                "                if self.scale < self.min_scale:\n                    self.scale = self.min_scale")],
         wrong=[("hysteresis restored on every clean step", "loss_scaler.py",
                 "            self.growth_tracker += 1\n",
                 "            self.growth_tracker += 1\n            self.hysteresis_tracker = self.hysteresis\n",
@@ -330,15 +485,32 @@ EXERCISES = [
         functions=[("mixed_precision.py", "MixedPrecisionOptimizer.found_inf")],
         summary="return whether any gradient of the replica, on any rank of the model-parallel group, holds an inf or nan",
         task="An overflow on one stage must make every stage skip the same step, or the stages' weights drift "
-             "apart. Check this rank's gradients for inf or nan, then take the MAX over the model-parallel "
-             "group (pipeline and TP ranks of one replica), as Megatron-LM does.",
+             "apart (and a rank that skips leaves the others waiting in global_norm's all-reduce). Check this "
+             "rank's gradients for inf or nan, then combine the ranks' answers over the model-parallel group "
+             "(pipeline and TP ranks of one replica): any rank's inf is every rank's. Megatron-LM takes a MAX.",
         checks=[("pytest", "tests/test_mixed_precision.py::test_an_inf_on_one_rank_makes_every_rank_skip[{step}]")],
-        hints=["A rank that skips while the others step leaves them waiting in global_norm's all-reduce: take "
-               "the MAX of one float flag over self.pgm.model_parallel_group (dist.all_reduce).",
-               "torch.isfinite(g).all() says whether one gradient is clean."],
+        hints=["Every rank of the replica must reach the same answer: one rank's inf is everyone's.",
+               "torch.isfinite(g).all() says whether one gradient is clean; the ranks of one replica are "
+               "self.pgm.model_parallel_group (not the data-parallel group: each replica has its own model).",
+               "A float flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group), "
+               "then bool(flag.item())."],
         wrong=[("no all-reduce: only the rank with the inf notices", "mixed_precision.py",
                 "        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)\n", "",
-                ["global_norm", "Timed out"])],
+                ["found_inf returned [False, False, False, True]", "ranks [0, 1, 2]"]),
+               ("the MAX over the data-parallel group", "mixed_precision.py",
+                "op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)",
+                "op=dist.ReduceOp.MAX, group=self.pgm.dp_group)",
+                ["found_inf returned [False, False, False, True]", "ranks [0, 1, 2]"])],
+        right=[("a SUM all-reduce, then > 0", "mixed_precision.py",
+                "        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)\n"
+                "        return bool(found.item())",
+                "        dist.all_reduce(found, group=self.pgm.model_parallel_group)  # a SUM\n"
+                "        return found.item() > 0"),
+               ("a count of bad gradients in a one-element float tensor", "mixed_precision.py",
+                ("        found = torch.zeros((), device=self.params[0].device)",
+                 "            found = torch.maximum(found, (~torch.isfinite(g)).any().float())"),
+                ("        found = torch.zeros(1, device=self.params[0].device)",
+                 "            found += float(not torch.isfinite(g).all())"))],
     ),
     dict(
         id="07.norm", step="step07_mixed_precision",
@@ -351,8 +523,13 @@ EXERCISES = [
              "holds a different slice), a replicated one (a norm gain) on TP rank 0 only, and the last stage's "
              "copy of a tied embedding not at all; all-reduce the sum over the model-parallel group.",
         checks=[("pytest", "tests/test_mixed_precision.py::test_global_norm_counts_every_number_once_and_clips[{step}]")],
-        hints=["param.tp_split_dim is set on a split parameter; param.shared on the tied copy.",
-               "Sum squares, not norms: the square root comes after the all-reduce."],
+        hints=["Each number of the model counts once in the norm, whichever ranks hold a copy of it.",
+               "param.tp_split_dim is set on a split parameter; param.shared on the tied copy; sum squares, not "
+               "norms: the square root comes after the all-reduce.",
+               "counted: not shared, and (split or tp_rank == 0); the sum of g.float()^2 over counted "
+               "parameters, all-reduced over self.pgm.model_parallel_group, then sqrt."],
+        right=[("the squares as a product", "mixed_precision.py",
+                "squares = squares + g.float().pow(2).sum()", "squares = squares + (g.float() * g.float()).sum()")],
         wrong=[("a replicated parameter counted on every TP rank", "mixed_precision.py",
                 "return getattr(param, \"tp_split_dim\", None) is not None or self.pgm.tp_rank == 0",
                 "return True", ["norm"])],
@@ -369,8 +546,14 @@ EXERCISES = [
         checks=[("replay", ["zb1p"]),
                 ("pytest", "tests/test_weight_grad_store.py::test_store_runs_each_w_under_its_key_oldest_first[{step}]",
                  "tests/test_weight_grad_store.py::test_b_then_w_equals_one_backward_bitwise[{step}]")],
-        hints=["Turn deferring off in a finally: a backward that raises must not leave it on.",
-               "A deque: append on the right, popleft the oldest."],
+        hints=["A W is the weight half of a backward, run later; W's run in the order their B's ran.",
+               "Turn deferring off in a finally: a backward that raises must not leave it on; the queue is a "
+               "deque of (key, closures).",
+               "split: deferring on, yield, off in finally, then queue.append((key, cache)) and a new cache; "
+               "pop: check oldest() == key, run queue.popleft()'s closures."],
+        right=[("the oldest W unpacked before it runs", "weight_grad_store.py",
+                "        for closure in cls.queue.popleft()[1]:\n            closure()",
+                "        _, closures = cls.queue.popleft()\n        for closure in closures:\n            closure()")],
         wrong=[("the newest W run first", "weight_grad_store.py",
                 "for closure in cls.queue.popleft()[1]:", "for closure in cls.queue.pop()[1]:",
                 ["before the W of"])],
@@ -382,17 +565,36 @@ EXERCISES = [
                 "the postponed W's at the end",
         task="ZB-H1: 1F1B's warm-up and steady state, but each backward is a B (stash.backward(..., "
              "split=True)) whose input gradient is sent at once, and stage s delays its W's by s microbatches "
-             "into the time it would idle (stash.backward_weights). After the last B, run the W's still "
-             "waiting; the store must end the step empty.",
-        checks=[("replay", ["zb1p"]),
+             "into the time it would idle (stash.backward_weights). The key is when the next activation is "
+             "received: after the postponed W, in a receive of its own. A receive posted with the B's send "
+             "(1F1B's send_backward_recv_forward) waits for the activation first, so the W runs after the "
+             "wait instead of filling it. After the last B, run the W's still waiting; the store must end "
+             "the step empty.",
+        checks=[("replay", ["zb1p"], "zb1p_bubble"),
                 ("equivalence", 2, ["--pp", "2", "--layers", "5", "--microbatches", "4", "--batch-size", "4",
                                     "--schedule", "zb1p"]),
                 ("pytest", "tests/test_schedules.py::test_zb1p_ideal_timeline_idles_p_minus_1_times_f_plus_b_minus_w[{step}]")],
-        hints=["After the B of microbatch i, stage s runs the W of i-s (if i >= s).",
-               "The cool-down's B's receive with comm.recv_backward(): no forward is left to send."],
+        hints=["A W needs no message: it can run while the rank waits for one, if it runs before that wait.",
+               "After the B of microbatch i, stage s runs the W of i-s (if i >= s); send B's input gradient "
+               "alone, run the W, then receive the next input; the cool-down's B's use comm.recv_backward().",
+               "comm.send_backward(stash.backward(i, out_grad, split=True)); if i >= stage: "
+               "stash.backward_weights(i - stage); if another forward is left: x = comm.recv_forward()."],
         wrong=[("no W postponed: W right after its B", "schedule.py",
                 "        if i >= stage:\n            stash.backward_weights(i - stage)",
-                "        stash.backward_weights(i)", ["W before its B"])],
+                "        stash.backward_weights(i)", ["W before its B"]),
+               ("1F1B's exchange: the next activation received with B's send, before the W", "schedule.py",
+                "        comm.send_backward(stash.backward(i, out_grad, split=True))\n        if i >= stage:\n"
+                "            stash.backward_weights(i - stage)\n        if fwd_mb + 1 < m:\n"
+                "            x = comm.recv_forward()",
+                "        input_grad = stash.backward(i, out_grad, split=True)\n        if fwd_mb + 1 < m:\n"
+                "            x = comm.send_backward_recv_forward(input_grad)\n        else:\n"
+                "            comm.send_backward(input_grad)\n        if i >= stage:\n"
+                "            stash.backward_weights(i - stage)",
+                ["rank 0 idles", "next activation"])],
+        right=[("the postponed W's run until the store is empty", "schedule.py",
+                "    for mb in range(m - stage, m):  # the W's this stage postponed\n        stash.backward_weights(mb)",
+                "    while WeightGradStore.queue:  # the W's this stage postponed\n"
+                "        stash.backward_weights(WeightGradStore.oldest()[1])")],
     ),
     dict(
         id="08.phases", step="step08_dualpipe",
@@ -404,8 +606,12 @@ EXERCISES = [
              "below nWB0 and i+1 trailing W's (nW).",
         checks=[("replay", ["dualpipev"], "two_way"),
                 ("pytest", "tests/test_schedules.py::test_dualpipe_and_dualpipev_follow_the_eight_phases[{step}]")],
-        hints=["Count the phases of the last rank (place n-1, below 0) first: only nF0F1, nF0B1F1B0, nB1B0 "
-               "and nW are left."],
+        hints=["Each phase runs some of F0, F1, B0, B1, W: over all eight, each pass runs k times.",
+               "Count the phases of the last rank (place n-1, below 0) first: only nF0F1, nF0B1F1B0, nB1B0 "
+               "and nW are left.",
+               "below = n-i-1: nF0 = 2·below, nF0F1 = i+1, nB1W1F1 = below, nF0B1F1B0 = k-2n+i+1, nB1F1B0 = "
+               "below, nB1B0 = i+1, nWB0 = below, nW = i+1."],
+        right=[("the first phase as a sum", "dualpipe.py", "nF0=2 * below,", "nF0=below + below,")],
         wrong=[("the first phase's count halved", "dualpipe.py",
                 "nF0=2 * below,", "nF0=below,", ["phase_counts(", "F0"])],
     ),

@@ -205,7 +205,8 @@ class FakeStage:
         self.store.pop((self.chunk, mb))
 
     def deallocate_output(self, mb, out):
-        pass
+        """Logged: from step 04 every sent output must be freed (with --deallocate), once."""
+        self.log.append(("D", (self.chunk, mb)))
 
     def overlapped_forward_backward(self, forward, backward):
         """DualPipe's pair (step 08): logged as a marker before its F and its B."""
@@ -238,6 +239,34 @@ def check_weight_order(compute):
         return [f"W's {weights} are not the split B's {split} in the same order"]
     position = {(e[0], e[1]): i for i, e in enumerate(compute)}
     return [f"W of {key} before its B" for key in weights if position["W", key] < position["B", key]]
+
+
+def check_backward_order(log):
+    """Each model chunk's backwards run in microbatch order, as its forwards do (the gradients of a chunk come
+    back in the order its activations went out)."""
+    problems = []
+    for chunk in sorted({e[1][0] for e in log if e[0] == "B"}):
+        order = [e[1][1] for e in log if e[0] == "B" and e[1][0] == chunk]
+        if order != sorted(order):
+            shown = ", ".join(map(str, order))
+            problems.append(f"chunk {chunk}'s backwards ran for microbatches {shown}, not in microbatch order")
+    return problems
+
+
+def check_deallocated(log):
+    """From step 04: after its forward, each sent output (every chunk's but the model's last, whose output is
+    the loss) is handed to the stage's deallocate_output (stash.deallocate) once, or --deallocate frees nothing."""
+    layout = next((e for e in log if e[0] == "layout"), None)
+    if layout is None or not layout[2]:
+        return []
+    sent = [e[1] for e in log if e[0] == "F" and not layout[1][e[1][0]]]
+    freed = [e[1] for e in log if e[0] == "D"]
+    missing = [key for key in sent if key not in freed]
+    if missing:
+        return [f"{len(missing)} sent outputs were never deallocated, first (chunk, microbatch) {missing[0]}: "
+                f"--deallocate frees nothing (call stash.deallocate(mb) once the output is sent)"]
+    twice = sorted({key for key in freed if freed.count(key) > 1})
+    return [f"the output of (chunk, microbatch) {twice[0]} deallocated twice"] if twice else []
 
 
 def check_compute_order(log, expected_count, expected_warmup, expected_peak):
@@ -282,15 +311,23 @@ class Step:
         import timeline
         self.config, self.p2p, self.groups = config, p2p, process_groups
         self.schedule, self.timeline = schedule, timeline
-        # Every flushed schedule by name: schedule.py's, and step 08's DualPipe family's (dualpipe.py)
-        self.schedules = {**schedule.SCHEDULES, **getattr(sys.modules.get("dualpipe"), "SCHEDULES", {})}
+        # Every flushed schedule by name: schedule.py's, and step 08's DualPipe family's (dualpipe.py); step 03
+        # has one schedule and no --schedule flag
+        own = getattr(schedule, "SCHEDULES", None) or {"afab": schedule.afab_forward_backward}
+        self.schedules = {**own, **getattr(sys.modules.get("dualpipe"), "SCHEDULES", {})}
+        self.names = getattr(config, "SCHEDULE_NAMES", list(own))
+        self.orderings = getattr(p2p, "ORDERINGS", (None,))  # step 03 posts every exchange one way
+        # From step 04 the stash frees each sent output (--deallocate): the replay checks that it is asked to
+        self.deallocates = hasattr(getattr(schedule, "Stash", None), "deallocate")
         self.parser = config.build_parser()
         # Step 08: the store of pending W's, which the fake stages fill and empty as real ones do
         self.store = sys.modules["weight_grad_store"].WeightGradStore if "weight_grad_store" in sys.modules else None
 
     def args(self, name, pp, m, virtual, ordering, extra=()):
         flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
-                 "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering, *extra]
+                 "--layers", str(MAX_PP * MAX_V), *extra]
+        flags += ["--schedule", name] if "--schedule" in self.parser._option_string_actions else []
+        flags += ["--p2p", ordering] if ordering else []
         if virtual > 1:
             flags += ["--virtual-stages", str(virtual)]
         return self.parser.parse_args(flags)
@@ -334,6 +371,7 @@ class Step:
         comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", **kwargs)  # its timeline: the process's, off
         chunks, n_chunks = self.layout(name, pp, m, virtual, rank)
         stages = [FakeStage(log, dist, c, g, n_chunks, m, self.store) for c, g in enumerate(chunks)]
+        log.append(("layout", {c: stage.is_last for c, stage in enumerate(stages)}, self.deallocates))
         if self.store:
             self.store.queue.clear()  # a schedule that failed before leaves its W's behind
         if wrong_backward:
@@ -343,7 +381,7 @@ class Step:
         return log
 
     def check(self, name, pp, m, ordering, virtual=1):
-        label = f"{name} pp={pp} m={m} v={virtual} p2p={ordering}"
+        label = f"{name} pp={pp} m={m} v={virtual}" + (f" p2p={ordering}" if ordering else "")
         try:
             logs, dist = self.replay(name, pp, m, ordering, virtual)
         except Exception as error:  # noqa: BLE001 (a learner's schedule may raise anything: report, do not crash)
@@ -353,6 +391,7 @@ class Step:
             warmup = formulas.warmup(name, pp, stage, m, virtual)
             peak = formulas.peak_stored(name, pp, stage, m, virtual)
             problems += [f"stage {stage}: {p}" for p in check_compute_order(log, m * virtual, warmup, peak)]
+            problems += [f"stage {stage}: {p}" for p in check_backward_order(log) + check_deallocated(log)]
             if not problems:
                 problems += [f"stage {stage}: {p}" for p in check_consumed(log)]
         return [f"{label}: {p}" for p in problems]
@@ -365,7 +404,7 @@ class Step:
             for pp in range(1, MAX_PP + 1):
                 for m in range(1, MAX_M + 1):
                     for virtual in range(2, MAX_V + 1) if name == "interleaved" else [1]:
-                        for ordering in self.p2p.ORDERINGS:
+                        for ordering in self.orderings:
                             if self.allowed(name, pp, m, virtual, ordering) == allowed:
                                 yield name, pp, m, virtual, ordering
 
@@ -387,6 +426,10 @@ if __name__ == "__main__":
     import replay_report  # whose main imports this file as `replay`, the module two_way.py imports: one Op, one FakeDist
 
     arguments = [a for a in sys.argv[1:] if a != "--json"]
-    if len(arguments) != 1 or not os.path.isfile(os.path.join(arguments[0], "schedule.py")):
+    if len(arguments) != 1 or not os.path.isdir(arguments[0]):
         sys.exit("usage: python tests/replay.py [--json] STEP_DIR (a step folder with a schedule.py)")
+    if not os.path.isfile(os.path.join(arguments[0], "schedule.py")):  # steps 01-02: pipeline.py, no engine
+        sys.exit(f"{arguments[0]} has no schedule.py to replay (steps 01-02 run pipeline.py on blocking sends): "
+                 f"its pipeline is checked by runs against the single device: "
+                 f"pytest tests/test_equivalence.py -k {os.path.basename(os.path.normpath(arguments[0]))}")
     sys.exit(replay_report.main(arguments[0], as_json="--json" in sys.argv[1:]))
