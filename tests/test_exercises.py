@@ -136,6 +136,22 @@ def test_replay_reports_a_raising_schedule(tmp_path):
                                                        "raised NotImplementedError: exercise 04.1f1b"), lines
 
 
+def test_replay_runs_step_03_and_says_what_runs_before_it():
+    """Step 03 (AFAB alone, no --schedule, no --p2p) is replayed, its controls caught; steps 01-02 have no
+    engine to replay: one line says what checks them instead."""
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", "step03_afab"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    controls = {k: v for k, v in report.items() if k.endswith(("_caught", "_deadlocks"))}
+    assert done.returncode == 0 and report["configurations"] >= 100 and not report["problems"], done.stdout[-2000:]
+    assert len(controls) >= 3 and all(controls.values()), controls
+    for step in ("step01_naive", "step02_gpipe"):
+        done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), step], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and "tests/test_equivalence.py" in lines[0], lines
+
+
 def test_a_broken_schedule_blames_itself_alone(tmp_path):
     """The replay's schedules_at_fault, by which conftest.replay_passes lets the tests of a step's other
     schedules run: both typical wrong answers of 04.1f1b (one raises, one deadlocks on NCCL's streams)
