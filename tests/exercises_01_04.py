@@ -35,8 +35,8 @@ EXERCISES = [
                  "    dist.recv(grad, src=stage.index + 1)", "    dist.send(input_grad, dst=stage.index - 1)"),
                 ["recorded no message span", "recv_forward on stage 1"])],
         right=[("non-blocking operations, waited for at once", "pipeline.py",
-                ("dist.recv(x, src=stage.index - 1)", "dist.send(out.detach(), dst=stage.index + 1)"),
-                ("dist.irecv(x, src=stage.index - 1).wait()", "dist.isend(out.detach(), dst=stage.index + 1).wait()")),
+                ("dist.recv(grad, src=stage.index + 1)", "dist.send(out.detach(), dst=stage.index + 1)"),
+                ("dist.irecv(grad, src=stage.index + 1).wait()", "dist.isend(out.detach(), dst=stage.index + 1).wait()")),
                ("zeroed buffers, the span around the allocation too", "pipeline.py",
                 ('    x = torch.empty(stage.shape, device=stage.device)\n    with span("recv", what="recv activation"):\n'
                  '        dist.recv(x, src=stage.index - 1)'),
@@ -134,11 +134,9 @@ EXERCISES = [
                 "        comm.send_backward(stash.backward(mb, comm.recv_backward()))",
                 "        out_grad = comm.recv_backward()\n        input_grad = stash.backward(mb, out_grad)\n"
                 "        comm.send_backward(input_grad)"),
-               ("the loops over enumerate(microbatches)", "schedule.py",
-                ("    for mb in range(len(microbatches)):\n        out =",
-                 "    for mb in range(len(microbatches)):\n        comm.send_backward"),
-                ("    for mb, _ in enumerate(microbatches):\n        out =",
-                 "    for mb, _ in enumerate(microbatches):\n        comm.send_backward"))],
+               ("the forward loop over enumerate(microbatches)", "schedule.py",
+                "    for mb in range(len(microbatches)):\n        out =",
+                "    for mb, _ in enumerate(microbatches):\n        out =")],
     ),
     dict(
         id="03.verbs", step="step03_afab",
