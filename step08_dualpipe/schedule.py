@@ -267,7 +267,14 @@ def interleaved_forward_backward(stages, comm, microbatches):
 
 
 def zb1p_forward_backward(stages, comm, microbatches):
-    """ZB-H1: 1F1B's order with each backward split, stage s running W of microbatch i-s after B of i."""
+    """ZB-H1: 1F1B's order with each backward split, stage s running W of microbatch i-s after B of i.
+
+    The next activation is received after the postponed W, in a receive of its own: a receive posted with
+    B's send (1F1B's send_backward_recv_forward) waits for it before the W, and the W idles no time away.
+    Posting B's send and that receive apart cannot deadlock here. The previous stage posts its send of the
+    activation with its receive of our gradient, as one exchange (send_forward_recv_backward): our send
+    meets that exchange, then our receive meets it or the next one. No rank waits on a neighbour that
+    waits on it, by the replay's model (operations complete in posting order, one stream per rank)."""
     stash = Stash(stages, comm, microbatches, split=True)
     m, stage = len(microbatches), comm.stage
     warmup = warmup_microbatches(comm.num_stages, stage, m)

@@ -2,8 +2,11 @@
 
     python tests/check_exercises.py replay STEP_DIR NAMES [EXTRA]    the schedules NAMES (comma-separated),
         replayed without a model (tests/replay.py) for every configuration the step's rules allow with
-        pp <= 4, m <= 8, v <= 3; EXTRA: "pipedream" (weight versions) or "two_way" (DualPipe's phases)
+        pp <= 4, m <= 8, v <= 3; EXTRA: "pipedream" (weight versions), "two_way" (DualPipe's phases) or
+        "zb1p_bubble" (ZB-H1's ideal idle time)
     python tests/check_exercises.py equivalence STEP_DIR WORLD FLAGS_JSON    one run against the single device
+    python tests/check_exercises.py verbs STEP_DIR    step 01's four verbs, each called alone on a fake transport
+        (stages 0-3 of 4): its peer, its buffer, what it returns, and its message box in the timeline
 
 Each prints what it found, the first problem only, in a few lines, and exits 0 (passed) or 1 (failed).
 """
@@ -79,6 +82,17 @@ def phase_count_problem(folder):
     return None
 
 
+def zb1p_bubble_problem(step):
+    """ZB-H1's ideal timeline (tests/ideal.py): every rank idles (p-1)(F+B-W), or the first rank that does not."""
+    from ideal import check_zb1p_bubble
+
+    problems = check_zb1p_bubble(step, (MAX_PP, MAX_M))["zb1p_bubble_problems"]
+    if not problems:
+        return None
+    return (f"{problems[0]} in the ideal timeline (each pass takes its time; a rank waits only where it waits "
+            f"for a message): the W's do not fill the time the rank waits for its next activation")
+
+
 def replay_check(step_dir, names, extra=None):
     import replay
 
@@ -94,6 +108,8 @@ def replay_check(step_dir, names, extra=None):
         if problem is None and extra == "two_way":
             problem, more = first_two_way_problem(step)
             count += more
+        if problem is None and extra == "zb1p_bubble":
+            problem = zb1p_bubble_problem(step)
     except Exception as error:  # noqa: BLE001 (the step's rules or layout may call the learner's code)
         problem = f"the step's code raised {replay.describe_exception(error, step.folder)}"
     if problem is None:
@@ -155,11 +171,92 @@ def failure_lines(text, step_dir, most=8):
     return list(dict.fromkeys(lines))[:most] or text.splitlines()[:most]
 
 
+class RecordingDist:
+    """What step 01's pipeline.py sees of torch.distributed in verbs_check: each send or receive is recorded
+    (peer, tensor), a receive fills its buffer with RECEIVED; nothing waits."""
+    RECEIVED = 7.0
+
+    def __init__(self):
+        self.calls = []
+
+    def send(self, tensor, dst, group=None, tag=0):
+        self.calls.append(("send", dst, tensor.detach().clone()))
+
+    def recv(self, tensor, src=None, group=None, tag=0):
+        self.calls.append(("recv", src, tensor))
+        tensor.fill_(self.RECEIVED)
+        return src
+
+    def isend(self, tensor, dst, group=None, tag=0):
+        self.send(tensor, dst)
+        return type("Work", (), {"wait": lambda self, timeout=None: True})()
+
+    def irecv(self, tensor, src=None, group=None, tag=0):
+        self.recv(tensor, src)
+        return type("Work", (), {"wait": lambda self, timeout=None: True})()
+
+
+# verb -> (what it does, its peer from stage s, the stages of 4 that call it)
+VERBS = {"recv_forward": ("recv", lambda s: s - 1, (1, 2, 3)), "send_forward": ("send", lambda s: s + 1, (0, 1, 2)),
+         "recv_backward": ("recv", lambda s: s + 1, (0, 1, 2)), "send_backward": ("send", lambda s: s - 1, (1, 2, 3))}
+
+
+def verb_problem(pipeline, timeline, name, index):
+    """What is wrong with one verb called on stage `index` of 4, or None."""
+    import torch
+
+    kind, peer, _ = VERBS[name]
+    dist, recorder = RecordingDist(), timeline.Timeline()
+    real, pipeline.dist = pipeline.dist, dist
+    previous = timeline.install(recorder)
+    stage = pipeline.Stage(model=None, index=index, count=4, shape=(2, 3, 4), device=torch.device("cpu"))
+    sent = torch.arange(24.0).reshape(2, 3, 4)
+    try:
+        got = getattr(pipeline, name)(stage, sent) if kind == "send" else getattr(pipeline, name)(stage)
+    finally:
+        pipeline.dist = real
+        timeline.install(previous)
+    where = f"{name} on stage {index} of 4"
+    if [c[0] for c in dist.calls] != [kind]:
+        return f"{where} made the calls {[c[0] for c in dist.calls]}, expected one {kind}"
+    _, to, tensor = dist.calls[0]
+    if to != peer(index):
+        return f"{where} {'sent to' if kind == 'send' else 'received from'} rank {to}, expected rank {peer(index)}"
+    if kind == "send" and not torch.equal(tensor, sent):
+        return f"{where} sent other values than it was given"
+    if kind == "recv" and (tuple(tensor.shape) != stage.shape or got is None or not torch.equal(got, tensor)):
+        return f"{where} must receive into a buffer of stage.shape {stage.shape} and return it"
+    if not any(e["kind"] in timeline.MESSAGES for e in recorder.events):
+        return (f"{where} recorded no message span, so the trace has no box for its message: wrap the "
+                f"{kind} in span(\"{kind}\", what=...)")
+    return None
+
+
+def verbs_check(step_dir):
+    """Step 01's four verbs, each alone on a fake transport: the first problem, or they pass."""
+    sys.path.insert(0, str(Path(step_dir).resolve()))
+    try:
+        import pipeline
+        timeline = sys.modules[pipeline.span.__module__]  # the harness's recorder, wherever it lives
+        problem = next((p for name, (_, _, stages) in VERBS.items() for index in stages
+                        if (p := verb_problem(pipeline, timeline, name, index))), None)
+    except Exception as error:  # noqa: BLE001 (a learner's code may raise anything)
+        from replay import describe_exception
+        problem = f"the verbs raised {describe_exception(error, str(Path(step_dir).resolve()))}"
+    if problem:
+        print(problem)
+        return 1
+    print("the four verbs talk to the right neighbours, receive into stage.shape and record their messages")
+    return 0
+
+
 def main(argv):
     kind, step_dir, *rest = argv
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if kind == "replay":
         return replay_check(step_dir, *rest)
+    if kind == "verbs":
+        return verbs_check(step_dir)
     return equivalence_check(step_dir, int(rest[0]), json.loads(rest[1]))
 
 

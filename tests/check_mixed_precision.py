@@ -9,8 +9,9 @@ inf:  after one step's backward, one gradient entry on rank 3 only is set to inf
       every rank must skip the step, leave its half weights and fp32 masters bitwise
       as they were and create no optimizer state. Also reports the dtypes of the
       weights (half), the main gradients (fp32) and the pipeline's receive buffers
-      (half). Control: found_inf on the same gradients with its MAX all-reduce
-      dropped (wrapping the step's own dist.all_reduce), where only rank 3 notices.
+      (half). found_inf is asked first, and the step runs only if every rank found the inf
+      (a rank that did not would wait in global_norm's all-reduce). Control: a found_inf
+      written here that reads this rank's gradients alone, where only rank 3 notices.
 norm: the global norm the optimizer computes (fp32, --clip-grad 0.5) against
       torch.nn.utils.clip_grad_norm_ over the single-device model's gradients,
       and the names each rank counts, so the test can check each number counts once.
@@ -45,18 +46,10 @@ TWIN_FLAGS = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq-len", 
 TWIN_STEPS = 3  # each clipped by its own factor
 
 
-def without_max_all_reduce(real, max_op):
-    """The control: an all_reduce that does nothing for MAX (found_inf) and passes every other through."""
-    def all_reduce(tensor, op=None, group=None):
-        if op != max_op:
-            real(tensor, group=group) if op is None else real(tensor, op=op, group=group)
-    return all_reduce
-
-
-def injected_inf(train, mixed_precision, device):
-    """skip: what step() decided on this rank. control: found_inf on the same gradients with its MAX
-    all-reduce dropped (a full step would then split the ranks: rank 3 skipping, the others going on
-    to the norm's all-reduce, waiting for rank 3 until the timeout)."""
+def injected_inf(train, device):
+    """found: what found_inf answered on this rank. skip: what step() then decided (None when the ranks' answers
+    differ: those that step would wait for the others in global_norm's all-reduce until the timeout). control:
+    a found_inf that looks at this rank's gradients alone, written here, must find the inf on rank 3 only."""
     import torch.distributed as dist
 
     run = train.build(train.parse_args([*FLAGS, "--precision", "fp16"]), device)
@@ -67,15 +60,13 @@ def injected_inf(train, mixed_precision, device):
                   received=sorted({str(t.dtype) for t in run.comm.free}))  # the step's receive buffers
     if dist.get_rank() == 3:
         run.optimizer.main_grads()[0].view(-1)[0] = float("inf")
-    real = mixed_precision.dist.all_reduce
-    mixed_precision.dist.all_reduce = without_max_all_reduce(real, dist.ReduceOp.MAX)
-    try:
-        control = run.optimizer.found_inf(run.optimizer.main_grads())
-    finally:
-        mixed_precision.dist.all_reduce = real
-    skip = run.optimizer.step()["skipped"]
+    control = any(not torch.isfinite(g).all() for g in run.optimizer.main_grads())
+    found = bool(run.optimizer.found_inf(run.optimizer.main_grads()))
+    answers = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, found)
+    skip = run.optimizer.step()["skipped"] if all(answers) else None
     after = [t.detach() for t in (*run.model.parameters(), *run.optimizer.masters)]
-    return dict(skip=skip, control=control, dtypes=dtypes, optimizer_state=len(run.optimizer.adamw.state),
+    return dict(found=found, skip=skip, control=control, dtypes=dtypes, optimizer_state=len(run.optimizer.adamw.state),
                 unchanged=all(torch.equal(a, b) for a, b in zip(before, after)))
 
 
@@ -178,7 +169,7 @@ def main(step_dir, mode, out):
     import train
 
     device = distributed.init_distributed("cpu", 60)
-    found = {"inf": lambda: injected_inf(train, mixed_precision, device),
+    found = {"inf": lambda: injected_inf(train, device),
              "norm": lambda: global_norm(train, mixed_precision, device, model, data),
              "scaled": lambda: scaled_norms(train, model, data, device),
              "twins": lambda: twin_norms(train, model, data, device)}[mode]()

@@ -5,6 +5,8 @@
     python tests/exercise.py check 04.1f1b                 its checks, fastest first, stopping at the first failure
     python tests/exercise.py check 04.1f1b --step-dir my_1f1b    a copy made by hand (tests/README.md, the recipe by hand)
     python tests/exercise.py mistake 04.1f1b               what a typical wrong answer prints (the notebooks show it)
+    python tests/exercise.py check 04.1f1b --hint 2        a failed check's hints up to level 2 (3: the answer's key)
+    python tests/exercise.py hint 04.1f1b 3                the hints alone, without a check
 
 A check runs the course's own tests on the copy: the replay of the schedules without a model (seconds), one
 small run against the single device, then the step's own tests of that function. The solution is the step's
@@ -12,6 +14,8 @@ own code.
 """
 import ast
 import hashlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 COPIES = REPO / "my_exercises"
 PASSED = ".exercise-passed"  # in a copy: the digest of its exercise files when every check last passed
+HINT_LEVELS = ("the idea", "where to look", "the answer's key")
+# What a check prints must not depend on the terminal or on Jupyter (whose kernels set FORCE_COLOR=1).
+PLAIN = {"NO_COLOR": "1", "COLUMNS": "120", "TERM": "dumb"}
+COLOUR_VARIABLES = ("FORCE_COLOR", "PY_COLORS", "CLICOLOR_FORCE")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class Refused(Exception):
@@ -57,8 +66,9 @@ def stub_source(source, qualname, message):
 
 
 def wrong_answer(exercise, wrong, source):
-    """source with one of the catalogue's wrong answers made; each old text must be in it exactly once."""
-    _, file, olds, news, _ = wrong
+    """source with one of the catalogue's wrong (or other right) answers made; each old text must be in it
+    exactly once."""
+    _, file, olds, news = wrong[:4]
     for old, new in zip(*((olds, news) if isinstance(olds, tuple) else ((olds,), (news,)))):
         assert source.count(old) == 1, f"{exercise['id']}: the wrong answer's text is not once in {file}: {old!r}"
         source = source.replace(old, new)
@@ -144,6 +154,8 @@ def check_name(check, step):
             " (no model; pp <= 4, m <= 8)"
     if kind == "equivalence":
         return f"equivalence, {check[1]} ranks [{' '.join(check[2])}] against one device"
+    if kind == "verbs":
+        return "each verb alone on a fake transport (stages 0-3 of 4)"
     return "the step's tests: " + ", ".join(node.split("::")[-1].format(step=step) for node in check[1:])
 
 
@@ -153,18 +165,26 @@ def run_check(check, exercise, folder):
     if kind == "replay":
         cmd = [sys.executable, str(TESTS / "check_exercises.py"), "replay", str(folder), ",".join(check[1]),
                *check[2:]]
+    elif kind == "verbs":
+        cmd = [sys.executable, str(TESTS / "check_exercises.py"), "verbs", str(folder)]
     elif kind == "equivalence":
         cmd = [sys.executable, str(TESTS / "check_exercises.py"), "equivalence", str(folder), str(check[1]),
                __import__("json").dumps(check[2])]
     else:
         nodes = [node.format(step=exercise["step"]) for node in check[1:]]
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "--tb=short",
-               "-o", "addopts=", f"--step-dir={exercise['step']}={folder}", *nodes]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    text = done.stdout + done.stderr
+               "--color=no", "-o", "addopts=", f"--step-dir={exercise['step']}={folder}", *nodes]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=plain_environment())
+    text = ANSI.sub("", done.stdout + done.stderr)
     if done.returncode == 0:
         return True, []
     return False, pytest_diagnosis(text, folder) if kind == "pytest" else text.strip().splitlines()[:10]
+
+
+def plain_environment():
+    """This process's environment without colour or terminal settings: the diagnosis reads the same anywhere."""
+    env = {key: value for key, value in os.environ.items() if key not in COLOUR_VARIABLES}
+    return {**env, **PLAIN}
 
 
 def pytest_diagnosis(text, folder):
@@ -182,15 +202,30 @@ def pytest_diagnosis(text, folder):
 
 
 def hint_for(exercise, lines):
-    """The hint that fits what the check printed: a (key word, hint) pair whose key word is in its lines,
-    else the exercise's first plain hint."""
+    """The first level's hint that fits what the check printed: a (key word, hint) pair whose key word is in
+    its lines, else the exercise's first level (the idea)."""
     text = "\n".join(lines)
     keyed = [hint for key, hint in (h for h in exercise["hints"] if isinstance(h, tuple)) if key in text]
-    return (keyed or [h for h in exercise["hints"] if isinstance(h, str)])[0]
+    return (keyed or levels(exercise))[0]
 
 
-def check(exercise, folder):
-    """Run the exercise's checks in order, stopping at the first failure; print at most ~20 lines."""
+def levels(exercise):
+    """The exercise's plain hints: the idea, where to look, the answer's key."""
+    return [hint for hint in exercise["hints"] if isinstance(hint, str)]
+
+
+def hint_lines(exercise, lines, level):
+    """The hints up to `level`: the first fits what the check printed; then how to ask for more."""
+    shown = [f"hint: {hint_for(exercise, lines)}"]
+    shown += [f"hint {n} ({HINT_LEVELS[n - 1]}): {hint}" for n, hint in enumerate(levels(exercise)[1:level], 2)]
+    if level < len(levels(exercise)):
+        shown.append(f"(more: --hint {level + 1}, {HINT_LEVELS[level]})")
+    return shown
+
+
+def check(exercise, folder, hint=1):
+    """Run the exercise's checks in order, stopping at the first failure; print at most ~20 lines (and the
+    hints up to level `hint`)."""
     checks, start, ident = exercise["checks"], time.perf_counter(), exercise["id"]
     for n, each in enumerate(checks, 1):
         began = time.perf_counter()
@@ -199,7 +234,7 @@ def check(exercise, folder):
         if not passed:
             print(f"FAIL {ident}, check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
             print("\n".join(f"  {line}" for line in lines[:12]))
-            print(f"hint: {hint_for(exercise, lines)}")
+            print("\n".join(hint_lines(exercise, lines, hint)))
             return 1
         print(f"ok   check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
     if folder.is_relative_to(COPIES):
@@ -213,10 +248,21 @@ def check(exercise, folder):
 # ------------------------------------------------------------------------------------------------ commands
 
 def command_list():
-    for exercise in EXERCISES:
-        names = ", ".join(qualname for _, qualname in exercise["functions"])
-        print(f"{exercise['id']:<14} {state(exercise):<12} {exercise['step']}: {names}")
-    print("start one: python tests/exercise.py start ID; then: python tests/exercise.py check ID")
+    try:
+        for exercise in EXERCISES:
+            names = ", ".join(qualname for _, qualname in exercise["functions"])
+            print(f"{exercise['id']:<14} {state(exercise):<12} {exercise['step']}: {names}")
+        print("start one: python tests/exercise.py start ID; then: python tests/exercise.py check ID")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader (head, a pager) stopped reading: nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
+def command_hint(exercise, level):
+    """The exercise's hints up to `level`, without a check."""
+    for n, hint in enumerate(levels(exercise)[:level], 1):
+        print(f"hint {n} ({HINT_LEVELS[n - 1]}): {hint}")
     return 0
 
 
@@ -230,6 +276,9 @@ def command_start(exercise, force=False):
     shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (COPIES / ".gitignore").write_text("*\n")  # the learner's copies stay out of the course's git
     stub_copy(exercise, folder)
+    from exercise_answers import hide_answers
+    if (folder / "notebook.ipynb").exists():
+        hide_answers(folder / "notebook.ipynb", exercise, REPO / exercise["step"])
     where = ", ".join(f"{shown(folder / file)}: {qualname}" for file, qualname in exercise["functions"])
     print(f"exercise {exercise['id']} ({exercise['step']}): write {where}")
     print(exercise["task"])
@@ -237,7 +286,7 @@ def command_start(exercise, force=False):
     return 0
 
 
-def command_mistake(exercise, which=0):
+def command_mistake(exercise, which=0, hint=1):
     """Check a copy of the step with the catalogue's typical wrong answer number `which` made, then delete it:
     what a learner who makes that mistake reads."""
     if not 0 <= which < len(exercise["wrong"]):
@@ -250,27 +299,42 @@ def command_mistake(exercise, which=0):
     (folder / file).write_text(wrong_answer(exercise, exercise["wrong"][which], (folder / file).read_text()))
     print(f"# {exercise['id']} with a typical mistake in {file}: {what}")
     try:
-        return check(exercise, folder)
+        return check(exercise, folder, hint)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def hint_level(exercise, argv):
+    """The --hint N of the command line (1 if absent), checked against the exercise's levels."""
+    if "--hint" not in argv:
+        return 1
+    value = argv[argv.index("--hint") + 1] if argv.index("--hint") + 1 < len(argv) else ""
+    if not value.isdigit() or not 1 <= int(value) <= len(levels(exercise)):
+        raise Refused(f"--hint {value or '(nothing)'}: give a level from 1 to {len(levels(exercise))}")
+    return int(value)
+
+
 def main(argv):
     sys.path.insert(0, str(TESTS))
-    usage = "usage: python tests/exercise.py list | start ID [--force] | check ID [--step-dir PATH] | mistake ID [N]"
-    if not argv or argv[0] not in ("list", "start", "check", "mistake") or (argv[0] != "list" and len(argv) < 2):
+    usage = ("usage: python tests/exercise.py list | start ID [--force] | check ID [--step-dir PATH] [--hint N] "
+             "| mistake ID [N] [--hint N] | hint ID [N]")
+    commands = ("list", "start", "check", "mistake", "hint")
+    if not argv or argv[0] not in commands or (argv[0] != "list" and len(argv) < 2):
         print(usage)
         return 2
     try:
         if argv[0] == "list":
             return command_list()
         exercise = exercise_of(argv[1])
+        hint = hint_level(exercise, argv)
         if argv[0] == "start":
             return command_start(exercise, force="--force" in argv)
+        if argv[0] == "hint":
+            return command_hint(exercise, int(argv[2]) if len(argv) > 2 and argv[2].isdigit() else 1)
         if argv[0] == "mistake":
-            return command_mistake(exercise, int(argv[2]) if len(argv) > 2 and argv[2].isdigit() else 0)
+            return command_mistake(exercise, int(argv[2]) if len(argv) > 2 and argv[2].isdigit() else 0, hint)
         step_dir = argv[argv.index("--step-dir") + 1] if "--step-dir" in argv[:-1] else None
-        return check(exercise, copy_for(exercise, step_dir))
+        return check(exercise, copy_for(exercise, step_dir), hint)
     except Refused as refusal:
         print(f"error: {refusal}")
         return 2

@@ -47,7 +47,9 @@ from collections import defaultdict, deque
 import torch
 
 import formulas
-from ideal import is_split
+# The checks of a rank's log; two_way.py and replay_controls.py import them from here
+from replay_order import (check_backward_order, check_compute_order, check_deallocated,  # noqa: F401
+                          check_weight_order)
 from replay_report import describe_exception
 
 MAX_PP, MAX_M, MAX_V = 8, 32, 4
@@ -205,7 +207,8 @@ class FakeStage:
         self.store.pop((self.chunk, mb))
 
     def deallocate_output(self, mb, out):
-        pass
+        """Logged: from step 04 every sent output must be freed (with --deallocate), once."""
+        self.log.append(("D", (self.chunk, mb)))
 
     def overlapped_forward_backward(self, forward, backward):
         """DualPipe's pair (step 08): logged as a marker before its F and its B."""
@@ -229,46 +232,6 @@ def check_consumed(log):
     return problems
 
 
-def check_weight_order(compute):
-    """Step 08: the W's run in the order of their split B's (the store is a FIFO), each after its own B,
-    and none is left waiting at the end."""
-    split = [e[1] for e in compute if is_split(e)]
-    weights = [e[1] for e in compute if e[0] == "W"]
-    if weights != split:
-        return [f"W's {weights} are not the split B's {split} in the same order"]
-    position = {(e[0], e[1]): i for i, e in enumerate(compute)}
-    return [f"W of {key} before its B" for key in weights if position["W", key] < position["B", key]]
-
-
-def check_compute_order(log, expected_count, expected_warmup, expected_peak):
-    """Problems in one rank's sequence of forwards, backwards and (step 08) weight-gradient passes."""
-    compute = [e for e in log if e[0] in ("F", "B", "W")]
-    forwards = [e[1] for e in compute if e[0] == "F"]
-    backwards = [e[1] for e in compute if e[0] == "B"]
-    problems = check_weight_order(compute)
-    if not (len(forwards) == len(set(forwards)) == len(backwards) == len(set(backwards)) == expected_count
-            and set(forwards) == set(backwards)):
-        problems.append(f"forwards {forwards} and backwards {backwards} are not each microbatch once")
-    done, in_flight, peak = set(), 0, 0
-    for kind, *rest in compute:
-        if kind == "F":
-            done.add(rest[0])
-            in_flight += 1
-        elif kind == "B" and rest[0] not in done:
-            problems.append(f"backward of {rest[0]} before its forward")
-        if kind == "W" or kind == "B" and len(rest) == 1:  # a microbatch holds activations until its last pass
-            in_flight -= 1
-        peak = max(peak, in_flight)
-    # The warm-up forwards, then the steady state's first forward, come before the first backward.
-    before_first_backward = next((i for i, e in enumerate(compute) if e[0] == "B"), len(compute))
-    if before_first_backward != min(expected_warmup + 1, expected_count):
-        problems.append(f"{before_first_backward} forwards before the first backward, expected warm-up "
-                        f"{expected_warmup} + 1 (at most {expected_count})")
-    if peak != expected_peak:
-        problems.append(f"peak {peak} microbatches in flight, expected {expected_peak}")
-    return problems
-
-
 class Step:
     """A step folder's modules, loaded once, and how to replay its schedules."""
 
@@ -282,15 +245,23 @@ class Step:
         from support import timeline
         self.config, self.p2p, self.groups = config, p2p, process_groups
         self.schedule, self.timeline = schedule, timeline
-        # Every flushed schedule by name: schedule.py's, and step 08's DualPipe family's (dualpipe.py)
-        self.schedules = {**schedule.SCHEDULES, **getattr(sys.modules.get("dualpipe"), "SCHEDULES", {})}
+        # Every flushed schedule by name: schedule.py's, and step 08's DualPipe family's (dualpipe.py); step 03
+        # has one schedule and no --schedule flag
+        own = getattr(schedule, "SCHEDULES", None) or {"afab": schedule.afab_forward_backward}
+        self.schedules = {**own, **getattr(sys.modules.get("dualpipe"), "SCHEDULES", {})}
+        self.names = getattr(config, "SCHEDULE_NAMES", list(own))
+        self.orderings = getattr(p2p, "ORDERINGS", (None,))  # step 03 posts every exchange one way
+        # From step 04 the stash frees each sent output (--deallocate): the replay checks that it is asked to
+        self.deallocates = hasattr(getattr(schedule, "Stash", None), "deallocate")
         self.parser = config.build_parser()
         # Step 08: the store of pending W's, which the fake stages fill and empty as real ones do
         self.store = sys.modules["weight_grad_store"].WeightGradStore if "weight_grad_store" in sys.modules else None
 
     def args(self, name, pp, m, virtual, ordering, extra=()):
         flags = ["--device", "cpu", "--pp", str(pp), "--microbatches", str(m), "--batch-size", str(m),
-                 "--layers", str(MAX_PP * MAX_V), "--schedule", name, "--p2p", ordering, *extra]
+                 "--layers", str(MAX_PP * MAX_V), *extra]
+        flags += ["--schedule", name] if "--schedule" in self.parser._option_string_actions else []
+        flags += ["--p2p", ordering] if ordering else []
         if virtual > 1:
             flags += ["--virtual-stages", str(virtual)]
         return self.parser.parse_args(flags)
@@ -334,6 +305,7 @@ class Step:
         comm = self.p2p.PipelineComm(pgm, (3,), torch.float32, "cpu", **kwargs)  # its timeline: the process's, off
         chunks, n_chunks = self.layout(name, pp, m, virtual, rank)
         stages = [FakeStage(log, dist, c, g, n_chunks, m, self.store) for c, g in enumerate(chunks)]
+        log.append(("layout", {c: stage.is_last for c, stage in enumerate(stages)}, self.deallocates))
         if self.store:
             self.store.queue.clear()  # a schedule that failed before leaves its W's behind
         if wrong_backward:
@@ -343,7 +315,7 @@ class Step:
         return log
 
     def check(self, name, pp, m, ordering, virtual=1):
-        label = f"{name} pp={pp} m={m} v={virtual} p2p={ordering}"
+        label = f"{name} pp={pp} m={m} v={virtual}" + (f" p2p={ordering}" if ordering else "")
         try:
             logs, dist = self.replay(name, pp, m, ordering, virtual)
         except Exception as error:  # noqa: BLE001 (a learner's schedule may raise anything: report, do not crash)
@@ -353,6 +325,7 @@ class Step:
             warmup = formulas.warmup(name, pp, stage, m, virtual)
             peak = formulas.peak_stored(name, pp, stage, m, virtual)
             problems += [f"stage {stage}: {p}" for p in check_compute_order(log, m * virtual, warmup, peak)]
+            problems += [f"stage {stage}: {p}" for p in check_backward_order(log) + check_deallocated(log)]
             if not problems:
                 problems += [f"stage {stage}: {p}" for p in check_consumed(log)]
         return [f"{label}: {p}" for p in problems]
@@ -365,7 +338,7 @@ class Step:
             for pp in range(1, MAX_PP + 1):
                 for m in range(1, MAX_M + 1):
                     for virtual in range(2, MAX_V + 1) if name == "interleaved" else [1]:
-                        for ordering in self.p2p.ORDERINGS:
+                        for ordering in self.orderings:
                             if self.allowed(name, pp, m, virtual, ordering) == allowed:
                                 yield name, pp, m, virtual, ordering
 
@@ -387,6 +360,10 @@ if __name__ == "__main__":
     import replay_report  # whose main imports this file as `replay`, the module two_way.py imports: one Op, one FakeDist
 
     arguments = [a for a in sys.argv[1:] if a != "--json"]
-    if len(arguments) != 1 or not os.path.isfile(os.path.join(arguments[0], "schedule.py")):
+    if len(arguments) != 1 or not os.path.isdir(arguments[0]):
         sys.exit("usage: python tests/replay.py [--json] STEP_DIR (a step folder with a schedule.py)")
+    if not os.path.isfile(os.path.join(arguments[0], "schedule.py")):  # steps 01-02: pipeline.py, no engine
+        sys.exit(f"{arguments[0]} has no schedule.py to replay (steps 01-02 run pipeline.py on blocking sends): "
+                 f"its pipeline is checked by runs against the single device: "
+                 f"pytest tests/test_equivalence.py -k {os.path.basename(os.path.normpath(arguments[0]))}")
     sys.exit(replay_report.main(arguments[0], as_json="--json" in sys.argv[1:]))

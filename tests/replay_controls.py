@@ -6,10 +6,12 @@ first gradient a rank sends to its one neighbour swapped (pp 2, interleaved), an
 backward run for the wrong microbatch must each be caught by the matching or by what
 the fake stages consumed. Every rank posting each receive before the send ahead of it,
 in an order of its own instead of the one all ranks share (interleaved), must deadlock.
-Step 08's zb1p: two W's swapped, a W before its B and the last W left in the store must
+A rank's backwards in reverse microbatch order must fail check_backward_order, and (from step 04) its
+outputs never deallocated check_deallocated. Step 08's zb1p: two W's swapped, a W before its B and the last W left in the store must
 each fail check_weight_order.
 """
-from replay import ACTIVATION, GRADIENT, FakeDist, check_consumed, check_weight_order, match
+from replay import (ACTIVATION, GRADIENT, FakeDist, check_backward_order, check_consumed, check_deallocated,
+                    check_weight_order, match)
 
 
 def swap_first_two_sends(stream):
@@ -36,8 +38,8 @@ def post_receives_first(stream):
 
 def negative_controls(step):
     """Each broken variant must be caught; returns {control: caught}."""
-    name = "interleaved" if "interleaved" in step.schedule.SCHEDULES else "1f1b"
-    virtual = 2 if name == "interleaved" else 1
+    name = next(n for n in ("interleaved", "1f1b", "afab") if n in step.schedules)  # step 03 has AFAB alone
+    virtual, ordering = (2 if name == "interleaved" else 1), step.orderings[0]
 
     def caught(pp, logs, dist):
         return bool(match(dist.streams, pp) or [p for log in logs for p in check_consumed(log)])
@@ -45,9 +47,11 @@ def negative_controls(step):
     def deadlocks(pp, dist):
         return any("deadlock" in p for p in match(dist.streams, pp))
 
-    controls = dict(send_first_deadlocks=deadlocks(4, step.replay("1f1b", 4, 8, "batched",
-                                                                  dist=FakeDist(send_first=True))[1]))
-    logs, dist = step.replay(name, 4, 8, "batched", virtual)
+    controls = {}
+    if "1f1b" in step.schedules:  # (AFAB's sends never wait for a neighbour's send: it cannot deadlock so)
+        controls["send_first_deadlocks"] = deadlocks(4, step.replay("1f1b", 4, 8, "batched",
+                                                                    dist=FakeDist(send_first=True))[1])
+    logs, dist = step.replay(name, 4, 8, ordering, virtual)
     swap_first_two_sends(dist.streams[1])  # rank 1 sends microbatch 1 before microbatch 0
     controls["swapped_sends_caught"] = caught(4, logs, dist)
     if name == "interleaved":  # pp 2: an activation and a gradient between the same two ranks
@@ -58,10 +62,24 @@ def negative_controls(step):
         for stream in dist.streams.values():
             post_receives_first(stream)
         controls["receives_first_deadlocks"] = deadlocks(4, dist)
-    logs, dist = step.replay(name, 4, 8, "batched", virtual, wrong_backward_on=1)
+    logs, dist = step.replay(name, 4, 8, ordering, virtual, wrong_backward_on=1)
     controls["wrong_backward_caught"] = caught(4, logs, dist)
-    if "zb1p" in step.schedule.SCHEDULES:
+    controls.update(log_controls(step.replay(name, 4, 8, ordering, virtual)[0][1], step.deallocates))
+    if "zb1p" in step.schedules:
         controls.update(weight_order_controls(step))
+    return controls
+
+
+def log_controls(log, deallocates):
+    """Rank 1's log of a passing replay, with its backwards in reverse order and (from step 04) with its
+    deallocations left out: check_backward_order and check_deallocated must catch each."""
+    backwards = [i for i, e in enumerate(log) if e[0] == "B"]
+    reversed_log = list(log)
+    for i, j in zip(backwards, reversed(backwards)):
+        reversed_log[i] = log[j]
+    controls = dict(reversed_backwards_caught=bool(check_backward_order(reversed_log)))
+    if deallocates:
+        controls["kept_outputs_caught"] = bool(check_deallocated([e for e in log if e[0] != "D"]))
     return controls
 
 

@@ -104,8 +104,8 @@ def main(step_dir, as_json=False):
     # Each part: (what, its check, the schedules it replays). The negative controls break 1F1B's, interleaved's
     # and ZB-H1's orders; the timeout count is of the transport, which every schedule uses.
     parts = [("negative controls", negative_controls, ("1f1b", "interleaved", "zb1p")),
-             ("timeout count", check_timeout_count, step.config.SCHEDULE_NAMES)]
-    parts += [("zb1p ideal timeline", check_zb1p_bubble, ("zb1p",))] if "zb1p" in step.schedule.SCHEDULES else []
+             ("timeout count", check_timeout_count, step.names)]
+    parts += [("zb1p ideal timeline", check_zb1p_bubble, ("zb1p",))] if "zb1p" in step.schedules else []
     parts += [("DualPipe", check_two_way, ("dualpipe", "dualpipev"))] if "dualpipe" in step.schedules else []
     if os.path.exists(os.path.join(step_dir, "pipedream.py")):
         parts.append(("PipeDream", check_pipedream, ("pipedream", "pipedream-2bw")))
@@ -119,7 +119,7 @@ def main(step_dir, as_json=False):
         report.update(result)
         if report_failures(result):
             at_fault.update(concerns)
-    report["schedules_at_fault"] = sorted(at_fault & set(step.config.SCHEDULE_NAMES))
+    report["schedules_at_fault"] = sorted(at_fault & set(step.names))
     failures = report_failures(report)
     print(json.dumps(report) if as_json else summary(step_dir, report, failures))
     return 1 if failures else 0

@@ -1,26 +1,31 @@
 """The exercises (tests/exercises.py, tests/exercise.py) are proven to work.
 
 For every exercise: its stubbed copy fails its first check with the stub's message, in time; each typical
-wrong answer of the catalogue, applied to the course's own code as a small edit, fails, and the diagnosis
-names the right thing (its key words) with the hint that fits; the course's own code passes every check
+wrong answer of the catalogue (the incomplete ones too), applied to the course's own code as a small edit,
+fails within 30 s, and the diagnosis names the right thing (its key words) with the hint that fits; each
+other right answer of the catalogue passes every check; the course's own code passes every check
 (each distinct replay and equivalence run once per step; the pytest checks are tests of this suite, which
 runs them on the course's code: here they must exist).
 
-The default run (about a minute) proves the catalogue's shape, the bad-input lines, the replay's report, the
-exercises graded first by the replay, and that every pytest check names a test of the suite. The rest
-launches ranks for every other stub and wrong answer and runs every check of the course's own code (about
-4 minutes on 2 cores): it is marked `exercise_proofs`, and CI (.ci/run) runs it once, after the suite:
+The default run (about a minute) proves the catalogue's shape, the bad-input lines, the hints' levels, the
+learner's notebook without the answer, a diagnosis under FORCE_COLOR, the replay's report, the exercises
+graded first without launching ranks (the replay, step 01's verbs), and that every pytest check names a test
+of the suite. The rest launches ranks for every other stub and wrong answer, every other right answer, and
+runs every check of the course's own code: it is marked `exercise_proofs`, and CI (.ci/run) runs it once,
+after the suite:
 
     pytest -m exercise_proofs tests/test_exercises.py
 """
 import ast
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 import exercise
@@ -30,8 +35,9 @@ from exercises import EXERCISES
 from harness import tail
 
 REPO = Path(__file__).resolve().parent.parent
-# Proven in the default run: the exercises graded first by the replay, seconds each.
-DEFAULT = [e["id"] for e in EXERCISES if e["checks"][0][0] == "replay"]
+# Proven in the default run: the exercises graded first without launching ranks, seconds each.
+DEFAULT = [e["id"] for e in EXERCISES if e["checks"][0][0] in ("replay", "verbs")]
+FIRST_FAILURE_S = 30  # a typical wrong answer's diagnosis arrives within this
 IDS = [e["id"] for e in EXERCISES]
 
 
@@ -68,8 +74,9 @@ def assert_stub_fails_first(entry, folder):
 
 def assert_wrong_answers_fail(entry, tmp_path):
     for i, wrong in enumerate(entry["wrong"]):
-        n, text, _ = first_failure(entry, prepared(entry, tmp_path / f"wrong{i}", wrong=wrong))
+        n, text, seconds = first_failure(entry, prepared(entry, tmp_path / f"wrong{i}", wrong=wrong))
         assert n is not None, f"{entry['id']}: the wrong answer '{wrong[0]}' passes every check"
+        assert seconds < FIRST_FAILURE_S, f"{entry['id']}, '{wrong[0]}': the first failure took {seconds:.0f} s"
         missing = [word for word in wrong[4] if word not in text]
         assert not missing, f"{entry['id']}, '{wrong[0]}': the diagnosis lacks {missing}:\n{text}"
         keyed = [hint for key, hint in (h for h in entry["hints"] if isinstance(h, tuple)) if key in wrong[4]]
@@ -93,8 +100,9 @@ def test_catalogue_covers_every_step_and_names_real_code():
             original = exercise.function_node(ast.parse(source), qualname)
             assert ast.get_docstring(node) == ast.get_docstring(original)
             assert ast.dump(node.args) == ast.dump(original.args)
-        for wrong in entry["wrong"]:
-            exercise.wrong_answer(entry, wrong, (REPO / entry["step"] / wrong[1]).read_text())
+        for edit in (*entry["wrong"], *entry["right"]):
+            exercise.wrong_answer(entry, edit, (REPO / entry["step"] / edit[1]).read_text())
+        assert len(exercise.levels(entry)) == len(exercise.HINT_LEVELS), entry["id"]
 
 
 def run_cli(*argv):
@@ -126,6 +134,22 @@ def test_replay_reports_a_raising_schedule(tmp_path):
     assert done.returncode == 1 and len(lines) <= 15 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert "NCCL" in lines[0] and lines[2].startswith("  1f1b pp=1 m=1 v=1 p2p=batched (and 49 alike): the schedule "
                                                        "raised NotImplementedError: exercise 04.1f1b"), lines
+
+
+def test_replay_runs_step_03_and_says_what_runs_before_it():
+    """Step 03 (AFAB alone, no --schedule, no --p2p) is replayed, its controls caught; steps 01-02 have no
+    engine to replay: one line says what checks them instead."""
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", "step03_afab"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    controls = {k: v for k, v in report.items() if k.endswith(("_caught", "_deadlocks"))}
+    assert done.returncode == 0 and report["configurations"] >= 100 and not report["problems"], done.stdout[-2000:]
+    assert len(controls) >= 3 and all(controls.values()), controls
+    for step in ("step01_naive", "step02_gpipe"):
+        done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), step], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and "tests/test_equivalence.py" in lines[0], lines
 
 
 def test_a_broken_schedule_blames_itself_alone(tmp_path):
@@ -187,6 +211,90 @@ def test_stub_and_wrong_answers_fail(entry, tmp_path, request):
     seconds = assert_stub_fails_first(entry, tmp_path / "stub")
     assert seconds < limit_s(entry), f"{entry['id']}: the stub's first failure took {seconds:.0f} s"
     assert_wrong_answers_fail(entry, tmp_path)
+
+
+def step_checks(step):
+    """Each distinct check of the step's exercises, once, with an exercise that names it."""
+    found = {}
+    for entry in (e for e in EXERCISES if e["step"] == step):
+        for check in entry["checks"]:
+            found.setdefault(json.dumps(check), (check, entry))
+    return list(found.values())
+
+
+@pytest.mark.exercise_proofs
+@pytest.mark.parametrize("step", STEPS)
+def test_other_right_answers_pass(step, tmp_path, request):
+    """The other right answers of the step's exercises (other wordings of the same behaviour), all made in one
+    copy of the step (each in its own function), pass every check of those exercises: the checks grade
+    behaviour. One copy per step keeps the launches few. (The checks' power to fail: every wrong answer.)"""
+    proofs_asked(request)
+    folder = prepared(next(e for e in EXERCISES if e["step"] == step), tmp_path / "right")
+    made = []
+    for entry in (e for e in EXERCISES if e["step"] == step):
+        for right in entry["right"]:
+            path = folder / right[1]
+            path.write_text(exercise.wrong_answer(entry, right, path.read_text()))
+            made.append(f"{entry['id']}: {right[0]}")
+    for check, entry in step_checks(step):
+        passed, lines = exercise.run_check(check, entry, folder)
+        assert passed, f"{step} with {made} fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
+
+
+def test_hints_come_in_levels():
+    """`hint ID N` shows levels 1 to N; a check's failure shows level 1 and how to ask for more; the first
+    level never holds the third's answer; a level out of range gets one line."""
+    entry = exercise.BY_ID["05.map"]
+    code, lines = run_cli("hint", "05.map", "1")
+    assert code == 0 and len(lines) == 1 and "(k // p) % v" not in lines[0], lines
+    code, lines = run_cli("hint", "05.map", "3")
+    assert code == 0 and len(lines) == 3 and "(k // p) % v" in lines[2], lines
+    shown = exercise.hint_lines(entry, ["stage 0: something"], 1)
+    assert len(shown) == 2 and "--hint 2" in shown[1] and "(k // p) % v" not in "".join(shown), shown
+    for each in EXERCISES:
+        first, *_, last = exercise.levels(each)
+        assert first != last and last not in first, each["id"]
+    code, lines = run_cli("check", "05.map", "--hint", "9")
+    assert code == 2 and len(lines) == 1 and "--hint 9" in lines[0], lines
+
+
+def test_list_into_a_closed_pipe_ends_quietly():
+    """`list | head -1`: one line, exit 0, nothing on stderr (no BrokenPipeError)."""
+    done = subprocess.run(f"{sys.executable} tests/exercise.py list | head -1", shell=True, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 1 and not done.stderr, done.stderr
+
+
+def test_a_mistake_is_diagnosed_under_force_color():
+    """Jupyter's kernels set FORCE_COLOR=1: the diagnosis of a pytest-graded mistake still shows, in plain
+    text. Control: a coloured pytest line, as FORCE_COLOR makes them, read without removing its colour codes,
+    yields no diagnosis."""
+    coloured = "\x1b[1m\x1b[31mE   AssertionError: hysteresis counts overflows\x1b[0m"
+    assert not [line for line in coloured.splitlines() if line.startswith("E ")]
+    assert exercise.pytest_diagnosis(exercise.ANSI.sub("", coloured), REPO) == ["AssertionError: hysteresis counts overflows"]
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "40", "TERM": "xterm-256color"}
+    done = subprocess.run([sys.executable, "tests/exercise.py", "mistake", "07.scaler", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert "hysteresis counts overflows" in done.stdout and "\x1b[" not in done.stdout, done.stdout + done.stderr
+    assert len(done.stdout.splitlines()) <= 20, done.stdout
+
+
+def test_the_learners_notebook_holds_no_answer(tmp_path):
+    """For every exercise: the course's notebook shows the answer (the detector's control) and says "Try
+    exercise ID" in the markdown cell just before the first cell that does; the copy `start` makes has no
+    cell that shows it."""
+    from exercise_answers import answer_cells, hide_answers
+
+    for entry in EXERCISES:
+        course = nbformat.read(REPO / entry["step"] / "notebook.ipynb", as_version=4)
+        shown = answer_cells(course, entry, REPO / entry["step"])
+        assert shown, f"{entry['id']}: no cell of the notebook shows the answer (the detector is blind)"
+        before = course.cells[shown[0] - 1]
+        assert before.cell_type == "markdown" and f"Try exercise {entry['id']}" in before.source, (entry["id"], shown[0])
+        copy = tmp_path / f"{entry['id']}.ipynb"
+        shutil.copy(REPO / entry["step"] / "notebook.ipynb", copy)
+        hide_answers(copy, entry, REPO / entry["step"])
+        assert not answer_cells(nbformat.read(copy, as_version=4), entry, REPO / entry["step"]), entry["id"]
 
 
 def solution_checks(step, kind):

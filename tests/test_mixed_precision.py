@@ -26,11 +26,15 @@ def run_checks(step_dir, mode, tmp_path, world=4):
 
 @pytest.mark.parametrize("step", MP_STEPS)
 def test_an_inf_on_one_rank_makes_every_rank_skip(step, step_dirs, tmp_path):
-    """tp 2 x pp 2 in fp16, an inf put into one gradient of rank 3 only: every rank skips, weights and
-    masters stay bitwise, no optimizer state appears. Control: without the MAX all-reduce of found_inf
-    only rank 3 finds the inf. The same run shows the types: half weights and pipeline messages, fp32
-    main gradients."""
+    """tp 2 x pp 2 in fp16, an inf put into one gradient of rank 3 only: found_inf is True on every rank,
+    every rank skips, weights and masters stay bitwise, no optimizer state appears. Control: a found_inf
+    that reads the rank's own gradients alone finds it on rank 3 only. The same run shows the types: half
+    weights and pipeline messages, fp32 main gradients."""
     found = run_checks(step_dirs[step], "inf", tmp_path)
+    answers = [f["found"] for f in found]
+    missed = [rank for rank, answer in enumerate(answers) if not answer]
+    assert not missed, (f"an inf on rank 3 only: found_inf returned {answers} on ranks 0-3, so ranks {missed} "
+                        f"would step while rank 3 skips; every rank of the model-parallel group must find it")
     assert [f["skip"] for f in found] == [True] * 4
     assert [f["control"] for f in found] == [False, False, False, True]
     for rank, f in enumerate(found):
