@@ -210,16 +210,18 @@ def check_schedule(args):
 
 
 def check_seed(scale: float, m: int, precision: str):
-    """A constant scale S must seed each microbatch's backward with S/m, a normal number of the stage precision:
-    below its smallest normal the seed loses its bits, and unscaling by 1/S overflows (every step skipped);
-    above its largest it is inf."""
-    info = torch.finfo(PRECISIONS[precision])
-    seed = scale / m
-    if not info.tiny <= seed <= info.max:
+    """A constant scale S seeds each microbatch's backward with S/m, made in fp32 (the loss's type). Below the
+    smallest normal number of the stage precision, the gradients it starts lose their bits or flush to zero (in
+    bf16 and fp32, unscaling by 1/S also overflows, and every step is skipped). Above fp32's largest number, S
+    is inf in fp32."""
+    seed, low, high = scale / m, torch.finfo(PRECISIONS[precision]).tiny, torch.finfo(torch.float32).max
+    if seed < low:
         raise ConfigError(f"--loss-scale {scale:g} seeds each backward with --loss-scale / --microbatches = "
-                          f"{seed:.3g}, not a normal {precision} number ({info.tiny:.3g} to {info.max:.3g}): "
-                          f"its gradients would {'underflow' if seed < info.tiny else 'overflow'} and every step be "
-                          "skipped")
+                          f"{seed:.3g}, below {low:.3g}, the smallest normal {precision} number: its gradients "
+                          "would underflow")
+    if scale > high:
+        raise ConfigError(f"--loss-scale {scale:g} is above {high:.3g}, fp32's largest number: every scaled "
+                          "gradient would overflow and every step be skipped")
 
 
 def check_precision(args):
