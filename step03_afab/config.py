@@ -6,6 +6,7 @@ value and the rule, instead of hanging half-way through a pipeline. Under
 torchrun every rank parses the flags; only rank 0 prints.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ from support.budget import machine_need, memory_available, stage_bytes
 from data import DEFAULT_CORPUS_BYTES
 from support.distributed import world_from_env
 import schedule
+from support.timeline import TRACE_MARK
 
 
 class ConfigError(ValueError):
@@ -172,10 +174,34 @@ def check_output(flag: str, path: str):
     if not os.path.isdir(folder):
         problem = "is not a folder" if os.path.exists(folder) else "does not exist"
         raise ConfigError(f"{flag} {path}: the folder {folder} {problem}")
-    try:  # an existing file is opened to append, nothing else is touched; a new one is tried as a temporary
-        open(path, "a").close() if os.path.exists(path) else tempfile.NamedTemporaryFile(dir=folder).close()
+    try:  # the output is written under a temporary name in the same folder, then renamed over the path
+        tempfile.NamedTemporaryFile(dir=folder).close()
     except OSError as err:
         raise ConfigError(f"{flag} {path} cannot be written: {err.strerror} in {folder}") from None
+    if os.path.exists(path) and not written_by_course(flag, path):
+        what = "trace" if flag == "--trace" else "log"
+        raise ConfigError(f"{flag} {path} exists and is not a {what} this course wrote: it is left as it is; give "
+                          "another file name")
+
+
+def written_by_course(flag: str, path: str) -> bool:
+    """Whether an existing --trace or --log-json file may be replaced: it is empty, or it begins as the course
+    begins its own (a trace with timeline.TRACE_MARK, a log with a record whose first keys are step, loss,
+    step_time_s, tokens_per_s). Anything else is the user's, and stays."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2**16)
+    except OSError:
+        return False
+    if not head:
+        return True
+    if flag == "--trace":
+        return head.startswith(TRACE_MARK)
+    try:
+        record = json.loads(head.split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(record, dict) and list(record)[:4] == ["step", "loss", "step_time_s", "tokens_per_s"]
 
 
 def check_numbers(args):

@@ -6,6 +6,7 @@ value and the rule, instead of hanging half-way through a pipeline. Under
 torchrun every rank parses the flags; only rank 0 prints.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ from model import ModelConfig
 from p2p import ORDERINGS
 import pipedream
 import schedule
+from support.timeline import TRACE_MARK
 
 
 class ConfigError(ValueError):
@@ -219,6 +221,21 @@ def check_schedule(args):
                           "for the interleaved schedule")
 
 
+def check_seed(scale: float, m: int, precision: str):
+    """A constant scale S seeds each microbatch's backward with S/m, made in fp32 (the loss's type). Below the
+    smallest normal number of the stage precision, the gradients it starts lose their bits or flush to zero (in
+    bf16 and fp32, unscaling by 1/S also overflows, and every step is skipped). Above fp32's largest number, S
+    is inf in fp32."""
+    seed, low, high = scale / m, torch.finfo(PRECISIONS[precision]).tiny, torch.finfo(torch.float32).max
+    if seed < low:
+        raise ConfigError(f"--loss-scale {scale:g} seeds each backward with --loss-scale / --microbatches = "
+                          f"{seed:.3g}, below {low:.3g}, the smallest normal {precision} number: its gradients "
+                          "would underflow")
+    if scale > high:
+        raise ConfigError(f"--loss-scale {scale:g} is above {high:.3g}, fp32's largest number: every scaled "
+                          "gradient would overflow and every step be skipped")
+
+
 def check_precision(args):
     """The number format and its loss scaler."""
     if args.precision not in PRECISIONS:
@@ -228,6 +245,8 @@ def check_precision(args):
     if args.loss_scale is not None and not math.isfinite(args.loss_scale):
         raise ConfigError(f"--loss-scale {args.loss_scale} must be finite: every scaled gradient would overflow "
                           "and every step be skipped")
+    if args.loss_scale is not None:
+        check_seed(args.loss_scale, args.microbatches, args.precision)
     if not 0 < args.min_loss_scale <= args.initial_loss_scale < math.inf:
         raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
                           f"{args.initial_loss_scale} must satisfy 0 < min <= initial, finite")
@@ -266,10 +285,34 @@ def check_output(flag: str, path: str):
     if not os.path.isdir(folder):
         problem = "is not a folder" if os.path.exists(folder) else "does not exist"
         raise ConfigError(f"{flag} {path}: the folder {folder} {problem}")
-    try:  # an existing file is opened to append, nothing else is touched; a new one is tried as a temporary
-        open(path, "a").close() if os.path.exists(path) else tempfile.NamedTemporaryFile(dir=folder).close()
+    try:  # the output is written under a temporary name in the same folder, then renamed over the path
+        tempfile.NamedTemporaryFile(dir=folder).close()
     except OSError as err:
         raise ConfigError(f"{flag} {path} cannot be written: {err.strerror} in {folder}") from None
+    if os.path.exists(path) and not written_by_course(flag, path):
+        what = "trace" if flag == "--trace" else "log"
+        raise ConfigError(f"{flag} {path} exists and is not a {what} this course wrote: it is left as it is; give "
+                          "another file name")
+
+
+def written_by_course(flag: str, path: str) -> bool:
+    """Whether an existing --trace or --log-json file may be replaced: it is empty, or it begins as the course
+    begins its own (a trace with timeline.TRACE_MARK, a log with a record whose first keys are step, loss,
+    step_time_s, tokens_per_s). Anything else is the user's, and stays."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2**16)
+    except OSError:
+        return False
+    if not head:
+        return True
+    if flag == "--trace":
+        return head.startswith(TRACE_MARK)
+    try:
+        record = json.loads(head.split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(record, dict) and list(record)[:4] == ["step", "loss", "step_time_s", "tokens_per_s"]
 
 
 def check_numbers(args):

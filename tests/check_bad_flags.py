@@ -5,7 +5,8 @@
 CASES.json holds [[world, [flags...]], ...]. For each case this process plays rank 0 of `world` ranks
 (the environment torchrun would set) and calls the step's `train.parse_args(flags)`, exactly what
 `train.main` does first, before any process group or model exists. It reports whether parsing ended
-the program (SystemExit), with which code, and the last line it wrote to stderr. One process for all
+the program (SystemExit), with which code, the last line it wrote to stderr, and to stdout (an accepted
+--resume says there which checkpoint it takes). One process for all
 cases: starting Python and torch once per bad flag would cost a second or two each. That a refused
 configuration also ends a real `torchrun` launch, with the same one line, is tested per step in
 test_train.py (test_under_torchrun_rank_0_alone_speaks).
@@ -31,15 +32,15 @@ from contextlib import redirect_stderr, redirect_stdout
 
 def check(train, world, flags):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    err = io.StringIO()
+    err, out = io.StringIO(), io.StringIO()
     try:
-        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        with redirect_stderr(err), redirect_stdout(out):
             train.parse_args(flags)
         code = None  # accepted: the check failed to refuse it
     except SystemExit as done:
         code = done.code
-    lines = err.getvalue().strip().splitlines()
-    return dict(exit_code=code, last_line=lines[-1] if lines else "")
+    lines, said = err.getvalue().strip().splitlines(), out.getvalue().strip().splitlines()
+    return dict(exit_code=code, last_line=lines[-1] if lines else "", printed=said[-1] if said else "")
 
 
 def estimate(world, flags):

@@ -8,13 +8,15 @@ Each case is {"flags": [...], and optionally
     "grads": [K, DIR]     this rank writes DIR/rankR.pt, its gradients of step K,
     "no_optimizer": true  the save writes, and the load asks for, no optimizer state (the control),
     "die_saving": K       rank 1 is killed (SIGKILL) in the K-th save, after writing its file, before
-                          rank 0 has written DCP's index: the crash during a save}.
+                          rank 0 has written DCP's index: the crash during a save,
+    "full_saving": K      rank 1's write fails in the K-th save (OSError ENOSPC): a full disk}.
 A case runs `train.train(train.parse_args(flags))`, train.py's own loop with its own --save and
 --resume, exactly as `python train.py FLAGS` would; only the process group is made once for all the
 cases (train.init_distributed is replaced by the device), since one launch per case would cost a
 second or more of start-up each. The hooks above wrap torch's and train's functions from outside;
 the step's code is not changed.
 """
+import errno
 import json
 import os
 import shutil
@@ -78,6 +80,21 @@ def die_in_save(k: int):
     filesystem.FileSystemWriter.write_data = write_data
 
 
+def full_in_save(k: int):
+    """Rank 1's write fails in the k-th save as on a full disk (OSError ENOSPC), before its file is written."""
+    from torch.distributed.checkpoint import filesystem
+
+    real, calls = filesystem.FileSystemWriter.write_data, [0]
+
+    def write_data(self, plan, planner):
+        calls[0] += 1
+        if calls[0] == k and int(os.environ["RANK"]) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return real(self, plan, planner)
+
+    filesystem.FileSystemWriter.write_data = write_data
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -100,6 +117,8 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         real_io = without_optimizer(checkpoint) if case.get("no_optimizer") else None
         if "die_saving" in case:
             die_in_save(case["die_saving"])
+        if "full_saving" in case:
+            full_in_save(case["full_saving"])
         train.train(train.parse_args(case["flags"]))
         if real_grads:
             train.compute_gradients = real_grads

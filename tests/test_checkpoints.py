@@ -43,7 +43,8 @@ class Plan:
         """A train.py run saving into out/name (every `every` steps) and logging into out/name.jsonl; it
         resumes from a copy of out/<resume>'s step-3 checkpoint, or from out/<resume_in> itself."""
         case = dict(flags=[*SMALL, *flags, "--steps", str(steps), "--save", str(self.out / name),
-                           "--save-every", str(every), "--log-json", str(self.out / f"{name}.jsonl")], **hooks)
+                           "--save-every", str(every), "--log-json", str(self.out / f"{name}.jsonl")], name=name,
+                    **hooks)
         if resume:
             case["copy"] = [str(self.out / resume / step_name(3)), str(self.out / name / step_name(3))]
         if resume or resume_in:
@@ -55,7 +56,7 @@ class Plan:
     def launch(self, step_dir, world, expect_failure=False):
         cmd = [sys.executable, str(WORKER), str(step_dir), str(self.out), json.dumps(self.cases)]
         try:
-            launch(cmd, world, self.out / f"launch{world}", timeout=240)
+            launch(cmd, world, self.out / f"launch{world}_{self.cases[0]['name']}", timeout=240)
         except RunFailed as failed:
             if not expect_failure:
                 pytest.fail(str(failed), pytrace=False)
@@ -155,6 +156,7 @@ def launches(step: str, plan):
         two.run("a_resumed", "--pp", "2", resume="a")
         two.run("control", "--pp", "2", resume="a", no_optimizer=True)
         new(2, fail=True).run("crash", "--pp", "2", every=2, die_saving=2)
+        new(2, fail=True).run("full", "--pp", "2", every=2, full_saving=2)
         one = new(1)
         one.run("after_crash", "--pp", "1", steps=3, resume_in="crash")
         one.run("one", "--pp", "1", steps=4, resume="a", grads_at=3)
@@ -265,16 +267,80 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(checkpoint_runs):
     assert losses(out / "after_crash.jsonl")[2] == losses(out / "a.jsonl")[2]
 
 
+def damage(out: Path):
+    """Copies of run a's checkpoints (steps 3 and 6), damaged as a disk or a user might: damaged/ with step 6's
+    first file cut to 1000 bytes, missing/ with step 6's last file deleted, old/ as saved before record.json
+    existed, garbage/ (no record either) with DCP's index overwritten, nothing_intact/ with both damaged."""
+    for name in ("damaged", "missing", "old", "garbage", "nothing_intact"):
+        shutil.rmtree(out / name, ignore_errors=True)
+        shutil.copytree(out / "a", out / name)
+    os.truncate(sorted((out / "damaged" / step_name(6)).glob("*.distcp"))[0], 1000)
+    sorted((out / "missing" / step_name(6)).glob("*.distcp"))[-1].unlink()
+    for folder in (out / "old").glob("step*"):
+        (folder / "record.json").unlink()
+    shutil.rmtree(out / "garbage" / step_name(6))
+    (out / "garbage" / step_name(3) / "record.json").unlink()
+    (out / "garbage" / step_name(3) / ".metadata").write_text("garbage")
+    sorted((out / "nothing_intact" / step_name(6)).glob("*.distcp"))[-1].unlink()
+    os.truncate(sorted((out / "nothing_intact" / step_name(3)).glob("*.distcp"))[0], 1000)
+
+
+def taken_inputs(out: Path):
+    """(flags, the texts of the one line an accepted --resume prints): the checkpoint it takes, what it skips."""
+    cases = [(["--resume", str(out / "damaged")], [f"resuming from {out / 'damaged' / step_name(3)}; skipped "
+                                                   f"{step_name(6)}: ", "has 1000 bytes, its record says"]),
+             (["--resume", str(out / "missing")], [f"resuming from {out / 'missing' / step_name(3)}; skipped",
+                                                   "is missing"]),
+             (["--resume", str(out / "a" / step_name(3))], [f"resuming from {out / 'a' / step_name(3)}"]),
+             (["--resume", str(out / "a")], [f"resuming from {out / 'a' / step_name(6)}"]),  # the control: intact
+             (["--resume", str(out / "old")], [f"resuming from {out / 'old' / step_name(6)} unchecked"])]
+    return [([*SMALL, "--pp", "1", *flags, "--steps", "10"], texts) for flags, texts in cases]
+
+
+def parse_as_rank_0(step_dir: Path, out: Path, cases) -> list:
+    """tests/check_bad_flags.py on each case's flags, rank 0 of 1: [{exit_code, last_line, printed}]."""
+    (out / "cases.json").write_text(json.dumps([[1, flags] for flags, _ in cases]))
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir),
+                           str(out / "cases.json")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_a_failed_save_stops_the_run_with_one_line(checkpoint_runs):
+    """Rank 1's file of the save after step 4 cannot be written (OSError ENOSPC, as on a full disk): every rank
+    exits with code 1, and the one `error:` line, rank 0's, names the folder, the OS error and the last
+    checkpoint (step 2), which is left complete; no traceback. The control: rank 0's log of the run that saved
+    both checkpoints holds no such line."""
+    out = checkpoint_runs("step03_afab")
+    logs = [(out / "launch2_full" / f"rank{r}.log").read_text() for r in range(2)]
+    errors = [line for log in logs for line in log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] in logs[0], errors
+    for text in (f"step 4 cannot be saved into {out / 'full'}", "No space left on device",
+                 f"the last checkpoint is {out / 'full' / step_name(2)}"):
+        assert text in errors[0], (text, errors[0])
+    assert "Traceback" not in logs[0] + logs[1], logs[0][-2000:] + logs[1][-2000:]
+    assert (out / "full" / step_name(2) / "record.json").is_file() and not (out / "full" / step_name(4)).exists()
+    assert "error: " not in (out / "launch2_a" / "rank0.log").read_text()
+
+
 def bad_inputs(out: Path, step: str, earlier: Path):
     """(flags, the texts the refusal's line must hold) for a step, around the checkpoints of its runs and of
     step 03's runs (earlier)."""
     (out / "empty").mkdir(exist_ok=True)
     (out / "unfinished").mkdir(exist_ok=True)
     shutil.copytree(out / "a" / step_name(3), out / "unfinished" / f"{step_name(3)}.tmp", dirs_exist_ok=True)
+    damage(out)
     a = str(out / "a")
     cases = [
-        (["--resume", str(out / "empty")], ["--resume", "holds no complete checkpoint"]),
-        (["--resume", str(out / "unfinished")], ["--resume", "holds no complete checkpoint"]),
+        (["--resume", str(out / "empty")], ["--resume", "holds no checkpoint", "no folder stepNNNNNNNN"]),
+        (["--resume", str(out / "unfinished")], ["--resume", "holds no checkpoint", "never finished"]),
+        (["--resume", str(out / "damaged" / step_name(6)), "--steps", "10"],
+         [f"--resume {out / 'damaged' / step_name(6)} fails its check", "has 1000 bytes, its record says"]),
+        (["--resume", str(out / "garbage"), "--steps", "10"],
+         [f"--resume {out / 'garbage' / step_name(3) / '.metadata'} cannot be read"]),
+        (["--resume", str(out / "nothing_intact"), "--steps", "10"],
+         ["no checkpoint passes its check", f"{step_name(6)}: ", "is missing", f"{step_name(3)}: ", "1000 bytes"]),
         (["--resume", a, "--hidden", "64", "--steps", "10"], ["--hidden 32", "this run has --hidden 64"]),
         (["--resume", a, "--layers", "8", "--steps", "10"], ["--layers 4", "this run has --layers 8"]),
         (["--resume", a, "--steps", "6"], ["at step 6", "--steps 6", "nothing is left"]),
@@ -303,15 +369,25 @@ def test_bad_checkpoint_flags_are_refused_with_one_line(step, step_dirs, checkpo
     also a checkpoint that step 03 saved, which lacks the facts later steps record."""
     out = checkpoint_runs(step)
     cases = bad_inputs(out, step, checkpoint_runs("step03_afab"))
-    (out / "cases.json").write_text(json.dumps([[1, flags] for flags, _ in cases]))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
-                           str(out / "cases.json")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-3000:]
     problems = [f"{' '.join(flags[len(SMALL):])}: exit {found['exit_code']}, {found['last_line']!r}"
-                for (flags, texts), found in zip(cases, json.loads(done.stdout))
+                for (flags, texts), found in zip(cases, parse_as_rank_0(step_dirs[step], out, cases))
                 if found["exit_code"] != 2 or not found["last_line"].startswith("error: ")
                 or not all(t in found["last_line"] for t in texts)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("step", ["step03_afab", "step07_mixed_precision"])
+def test_resume_takes_the_newest_checkpoint_that_passes_its_check(step, step_dirs, checkpoint_runs):
+    """--resume DIR takes the newest checkpoint whose files match record.json and says in one line which, and
+    why it skipped a newer one (cut short, a file missing); DIR/stepNNNNNNNN takes that one; a checkpoint
+    without record.json (an older save) is taken unchecked. The control: an intact DIR gives its newest."""
+    out = checkpoint_runs(step)
+    damage(out)
+    cases = taken_inputs(out)
+    problems = [f"{' '.join(flags[len(SMALL):])}: exit {found['exit_code']}, {found['last_line']!r}, printed "
+                f"{found['printed']!r}" for (flags, texts), found in zip(cases, parse_as_rank_0(step_dirs[step], out,
+                                                                                                cases))
+                if found["exit_code"] is not None or not all(t in found["printed"] for t in texts)]
     assert not problems, "\n".join(problems)
 
 

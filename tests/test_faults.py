@@ -5,13 +5,15 @@ The ranks start with the environment torchrun gives them (harness.fault_run); th
 RUNS_AT_ONCE at a time, and each must log two steps within START_DEADLINE before the signal."""
 import re
 import signal
+import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import STEPS
-from harness import fault_run
+from harness import fault_run, free_port, rank_env
 
 # Stop (SIGSTOP) the last rank mid-run: with --pp 3 its neighbour rank 1 is not the stalled one, and rank 0 two away.
 STALLS = [(step, layout) for step in STEPS for layout in (["--pp", "3"], ["--pp", "1", "--dp", "2"], ["--tp", "2"])
@@ -131,3 +133,70 @@ def test_a_dead_rank_is_named_at_once(step, layout, fault_runs):
     assert naming_problem(old_timeout, 0, 2, "gone") is not None
     assert naming_problem(old_traceback, 0, 2, "gone") is not None
     assert naming_problem(run.text(0, "err").replace("rank 2 is gone", "rank 1 is gone"), 0, 2, "gone") is not None
+
+
+INTERRUPTED = re.compile(r"interrupted at step (\d+); the last checkpoint is (.*)")
+
+
+def interrupt_problems(codes, outputs) -> list:
+    """What is wrong with the end of a run that got Ctrl-C: every rank exits with 130, one line in all, rank 0's,
+    says the step and the last checkpoint, and no rank prints a traceback."""
+    said = [line for out in outputs for line in out.splitlines() if INTERRUPTED.fullmatch(line)]
+    problems = [] if set(codes) == {130} else [f"exit codes {codes}, not 130"]
+    problems += [] if len(said) == 1 and said[0] in outputs[0] else [f"the interrupted lines are {said}"]
+    return problems + [f"rank {r} printed a traceback" for r, out in enumerate(outputs) if "Traceback" in out]
+
+
+def test_ctrl_c_ends_every_rank_with_one_line(step_dirs, tmp_path):
+    """SIGINT to both ranks of a pp 2 run (step 03), as Ctrl-C in a terminal sends it, once it has saved: exit
+    code 130 on both, and one line, rank 0's, naming the step and the last checkpoint. The control: the old end,
+    KeyboardInterrupt's traceback from each rank, fails the same check."""
+    cmd = [sys.executable, str(step_dirs["step03_afab"] / "train.py"), "--device", "cpu", "--steps", "100000",
+           "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--save", str(tmp_path / "ck"),
+           "--save-every", "2", "--keep", "1", "--log-json", str(tmp_path / "log.jsonl")]
+    port = free_port()
+    ranks = [subprocess.Popen(cmd, cwd=tmp_path, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        deadline = time.monotonic() + START_DEADLINE
+        log = tmp_path / "log.jsonl"  # 4 steps logged: the checkpoint of step 2 is saved
+        while not (log.exists() and len(log.read_text().splitlines()) >= 4) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in ranks:
+            p.send_signal(signal.SIGINT)
+        outputs = [p.communicate(timeout=60)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    problems = interrupt_problems([p.returncode for p in ranks], outputs)
+    assert not problems, "\n".join(problems) + "\n" + outputs[0][-2000:]
+    step, folder = INTERRUPTED.search(outputs[0]).groups()
+    assert folder.startswith(str(tmp_path / "ck" / "step")) and int(folder[-8:]) <= int(step), outputs[0][-500:]
+    old = ["Traceback (most recent call last):\n  ...\nKeyboardInterrupt"] * 2
+    assert interrupt_problems([1, 1], old), "the control passed the check"
+
+
+OUT_OF_MEMORY = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from support.distributed import one_line_errors
+if sys.argv[2] == "wrapped":
+    with one_line_errors(10.0):
+        torch.empty(2**60, dtype=torch.uint8)
+else:
+    torch.empty(2**60, dtype=torch.uint8)
+"""
+
+
+def test_out_of_memory_ends_with_one_line(step_dirs):
+    """An allocation the allocator refuses (2^60 bytes) inside train.main's one_line_errors: exit code 1 and one
+    line naming the step and the rank. The control: the same allocation outside it prints a traceback."""
+    runs = [subprocess.run([sys.executable, "-c", OUT_OF_MEMORY, str(step_dirs[STEPS[0]]), how], capture_output=True,
+                           text=True, timeout=60) for how in ("wrapped", "bare")]
+    wrapped, bare = runs
+    assert wrapped.returncode == 1 and wrapped.stderr.strip().startswith("error: out of memory in step 0 on rank 0: "), \
+        wrapped.stderr[-2000:]
+    assert len(wrapped.stderr.strip().splitlines()) == 1, wrapped.stderr[-2000:]
+    assert "Traceback" in bare.stderr, bare.stderr[-2000:]

@@ -5,7 +5,9 @@ a rank prints after a peer has exited can be lost. test_the_error_line_arrives_w
 launches refused runs in a row beside a busy loop, half of them with rank 0 reaching its check late (the
 order that loses the line), and its control shows the old behaviour losing it. The stall tests are in
 test_train.py."""
+import json
 import os
+import resource
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -82,3 +84,96 @@ def test_a_diverged_loss_stops_the_run_with_one_line(step_dirs, tmp_path):
                              cwd=tmp_path, env=rank_env(0, 1, free_port()), capture_output=True, text=True,
                              timeout=120)
     assert control.returncode == 0, control.stderr[-2000:]
+
+
+def parse_as_rank_0(step_dir, folder, cases, limit_bytes=None):
+    """tests/check_bad_flags.py on [[world, flags], ...] in `folder`, under `ulimit -v limit_bytes` if given:
+    [{exit_code, last_line, printed}] (exit_code None: accepted)."""
+    (folder / "cases.json").write_text(json.dumps(cases))
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, resource.RLIM_INFINITY))) \
+        if limit_bytes else None
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir),
+                           str(folder / "cases.json")], cwd=folder, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=limit)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def tiny_run(step_dir, folder, *flags):
+    """One process of train.py on a tiny model for one step, in folder: (exit code, stdout)."""
+    done = subprocess.run([sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "1", "--layers",
+                           "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", *flags], cwd=folder,
+                          env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_an_output_replaces_only_a_file_the_course_wrote(step_dirs, tmp_path):
+    """--trace and --log-json at a file the course did not write (a Chrome trace of another tool, a JSON log of
+    another trainer) are refused before any work, one line naming the path, and the files stay as they were. The
+    control: the trace and the log of a run of the course, and an empty file, are accepted; a second run
+    replaces them whole and says so, and leaves no temporary file."""
+    step_dir = step_dirs[STEPS[0]]
+    (tmp_path / "theirs.json").write_text('{"traceEvents": []}')
+    (tmp_path / "theirs.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    (tmp_path / "empty.json").write_text("")
+    code, first = tiny_run(step_dir, tmp_path, "--trace", "t.json", "--log-json", "l.jsonl")
+    assert code == 0, first[-2000:]
+    found = parse_as_rank_0(step_dir, tmp_path, [[1, ["--trace", "theirs.json"]], [1, ["--log-json", "theirs.jsonl"]],
+                                                 [1, ["--trace", "t.json", "--log-json", "l.jsonl"]],
+                                                 [1, ["--trace", "empty.json"]]])
+    assert [f["exit_code"] for f in found] == [2, 2, None, None], found
+    assert found[0]["last_line"] == ("error: --trace theirs.json exists and is not a trace this course wrote: it is "
+                                     "left as it is; give another file name"), found[0]
+    assert found[1]["last_line"].startswith("error: --log-json theirs.jsonl exists and is not a log"), found[1]
+    code, second = tiny_run(step_dir, tmp_path, "--trace", "t.json", "--log-json", "l.jsonl")
+    assert code == 0, second[-2000:]
+    assert "trace written to t.json, replacing an earlier run's trace" in second, second[-2000:]
+    assert "--log-json l.jsonl: an earlier run's log, which this run replaces" in second, second[-2000:]
+    assert len((tmp_path / "l.jsonl").read_text().splitlines()) == 1 and not list(tmp_path.glob("*.tmp"))
+    assert (tmp_path / "theirs.json").read_text() == '{"traceEvents": []}'
+
+
+def test_the_memory_budget_counts_the_address_space_limit(step_dirs, tmp_path):
+    """Under `ulimit -v` 2.5 GiB a model that needs at least 2.2 GiB (--hidden 1024) is refused before any work,
+    naming the limit: torch maps about 0.6 GiB already. The control: without the limit it is accepted."""
+    flags = [1, ["--hidden", "1024", "--heads", "8", "--steps", "1"]]
+    limited = parse_as_rank_0(step_dirs[STEPS[0]], tmp_path, [flags], limit_bytes=int(2.5 * 2**30))[0]
+    free = parse_as_rank_0(step_dirs[STEPS[0]], tmp_path, [flags])[0]
+    assert limited["exit_code"] == 2 and "ulimit -v of 2.5 GiB per process" in limited["last_line"], limited
+    assert free["exit_code"] is None, free
+
+
+LONG_STEP = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import config
+from support import report
+from support.distributed import progress
+args = config.build_parser().parse_args(sys.argv[2:])
+args.pp = 1
+report.announce(args)
+report.TICK_S = 0.2
+report.watch(steps=3)
+progress.update(step=1, since=time.monotonic())
+time.sleep(0.7)
+progress.update(step=3, since=time.monotonic())  # the run's steps are done: the ticker is quiet
+print("done", flush=True)
+time.sleep(0.7)
+"""
+
+
+def test_a_long_step_is_announced_and_ticks(step_dirs):
+    """--seq-len 20000 in bf16 (step 07): before the first step rank 0 prints one line with the step's estimated
+    seconds, from its FLOPs and a short probe; while a step runs, a line every TICK_S (0.2 s here) names it, and
+    none once the steps are done. The control: the default model is not announced (its step is short)."""
+    step_dir = str(step_dirs["step07_mixed_precision"])
+    long = subprocess.run([sys.executable, "-c", LONG_STEP, step_dir, "--seq-len", "20000", "--precision", "bf16"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    short = subprocess.run([sys.executable, "-c", LONG_STEP, step_dir], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = long.stdout.splitlines()
+    assert lines[0].startswith("the first step will take about ") and "FLOPs" in lines[0], long.stdout + long.stderr
+    ticks = lines[1:lines.index("done")]
+    assert 2 <= len(ticks) <= 4 and all(t.startswith("(step 1 still running after") for t in ticks), lines
+    assert lines[-1] == "done", lines
+    assert not short.stdout.startswith("the first step"), short.stdout

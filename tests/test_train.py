@@ -236,6 +236,14 @@ CASES += [
     *bad(STEPS, 1, ["--seed", str(2**64)], f"--seed {2**64}", "64 bits"),
     *bad(STEPS, 1, ["--timeout", "0.001"], "--timeout 0.001", "at least 1 s", "start-up"),
     *bad(MP_STEPS, 1, ["--loss-scale", "inf"], "--loss-scale inf", "must be finite"),
+    *bad(STEPS, 1, ["--trace", "README.md"], "--trace README.md", "not a trace this course wrote", "left as it is"),
+    *bad(STEPS, 1, ["--log-json", "LICENSE"], "--log-json LICENSE", "not a log this course wrote"),
+    *bad(MP_STEPS, 1, ["--precision", "fp16", "--loss-scale", "1e-40"], "--loss-scale 1e-40", "= 2.5e-41",
+         "smallest normal fp16 number", "underflow"),
+    *bad(MP_STEPS, 1, ["--precision", "fp16", "--loss-scale", "2e-4"], "--loss-scale 0.0002", "= 5e-05",
+         "smallest normal fp16 number"),
+    *bad(MP_STEPS, 1, ["--precision", "bf16", "--loss-scale", "1e-40"], "smallest normal bf16 number"),
+    *bad(MP_STEPS, 1, ["--loss-scale", "1e39"], "--loss-scale 1e+39", "fp32's largest number"),
 ]
 SIZES = [["--seq-len", "100000", "--batch-size", "64"], ["--batch-size", "100000"], ["--hidden", "65536"],
          ["--layers", "100000"]]  # each needs hundreds of GiB at least (budget.py), more than a test machine has

@@ -13,10 +13,16 @@ cannot fit; it counts, for each stage,
 
 Not counted: Python and torch themselves (a few hundred MB per process), the temporaries of the
 pass that runs, receive buffers, PipeDream's stashed weight versions, the allocator's slack.
+
+The time of a step is estimated the same way, before the first one (report.open_log): its matrix
+products and its attention, in FLOPs, each divided by the rate a short probe of that kernel measures.
 """
 import os
+import resource
+import time
 
 import torch
+import torch.nn.functional as F
 
 from model import ModelConfig
 
@@ -71,6 +77,25 @@ def memory_available(device: str, local_rank: int):
             limit, source = int(cap), "the cgroup's memory.max"
     except OSError:
         pass
+    return address_space_limit(limit, source)
+
+
+def address_space_limit(limit: int, source: str):
+    """(limit, source), lowered to what `ulimit -v` (RLIMIT_AS) leaves the ranks of this machine: each process
+    may map its limit less what it maps already (torch alone maps a few GiB). The sum over the ranks bounds
+    their sum, as machine_need counts it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return limit, source
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        mapped = 0
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    left = ranks * max(soft - mapped, 0)
+    if left < limit:
+        return left, f"ulimit -v of {soft / 2**30:.1f} GiB per process, {mapped / 2**30:.1f} GiB of it mapped already"
     return limit, source
 
 
@@ -83,3 +108,44 @@ def machine_need(per_stage, ranks_per_stage: int, world: int, local_world: int, 
     if local_world >= world:
         return ranks_per_stage * sum(per_stage)
     return local_world * min(per_stage)
+
+
+def step_flops(args) -> tuple:
+    """(matrix-product FLOPs, attention FLOPs) of one optimizer step on the busiest rank: its decoder layers'
+    forward, backward (twice the forward) and, with --recompute, a second forward, for its replica's tokens.
+    Causal attention computes half of the seq_len x seq_len scores, 2 x 2 FLOPs per score and hidden unit."""
+    tp, dp = getattr(args, "tp", 1), getattr(args, "dp", 1)
+    mlp_hidden = ModelConfig(hidden=args.hidden).mlp_hidden
+    layers = -(-args.layers // args.pp)  # the first stages hold one layer more
+    sequences = args.batch_size // dp
+    passes = 4 if getattr(args, "recompute", False) else 3
+    weights = (4 * args.hidden * args.hidden + 3 * args.hidden * mlp_hidden) // tp
+    products = passes * 2 * weights * sequences * args.seq_len * layers
+    attention = passes * 2 * args.seq_len * args.seq_len * args.hidden // tp * sequences * layers
+    return products, attention
+
+
+def probe_rates(args, device, dtype, seconds: float = 0.1) -> tuple:
+    """(matrix-product, attention) FLOP/s measured on device in dtype: each kernel run for about `seconds`, at
+    a size of the run's own (a microbatch's rows, its heads, up to 1024 of its positions)."""
+    head_dim = args.hidden // args.heads
+    rows, positions = min(args.seq_len, 1024), min(args.seq_len, 1024)
+    x = torch.randn(rows, args.hidden, device=device, dtype=dtype)
+    w = torch.randn(args.hidden, args.hidden, device=device, dtype=dtype)
+    q = torch.randn(1, args.heads, positions, head_dim, device=device, dtype=dtype)
+    return (rate(lambda: x @ w, 2 * rows * args.hidden * args.hidden, device, seconds),
+            rate(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                 2 * positions * positions * args.hidden, device, seconds))
+
+
+def rate(kernel, flops: int, device, seconds: float) -> float:
+    """FLOP/s of kernel (flops each call), timed over repeated calls for about `seconds`, after one warm-up."""
+    kernel()
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        kernel()
+        sync()
+        calls += 1
+    return calls * flops / (time.perf_counter() - start)

@@ -4,10 +4,12 @@ torchrun sets RANK, WORLD_SIZE and LOCAL_RANK for every process it starts. A
 GPU run uses NCCL with one device per rank (its LOCAL_RANK); a CPU run uses
 gloo. The timeout turns a schedule bug (a receive nobody sends) into an error
 instead of a silent hang. A run ends together (shutdown), or with one line: a
-stalled or dead peer (one_line_errors), a loss that diverged (stop_if_diverged).
+stalled or dead peer, memory that ran out, Ctrl-C (one_line_errors), a loss that
+diverged (stop_if_diverged).
 """
 import math
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from datetime import timedelta
@@ -16,6 +18,10 @@ import torch
 import torch.distributed as dist
 
 from support import faults
+
+# Where this rank is, for the one line of a run that ends early: the step running (report.log_step moves it on)
+# and the last checkpoint saved or loaded (checkpoint.py, step 03 on); `since` is when the step began.
+progress = dict(step=0, checkpoint=None, since=0.0)
 
 
 def world_from_env():
@@ -71,16 +77,37 @@ def reset_peak_memory(device: torch.device):
 
 @contextmanager
 def one_line_errors(timeout_s: float):
-    """A stalled or dead peer ends this rank with one line on stderr and exit code 1, not a page of C++ frames."""
+    """A stalled or dead peer, or memory that ran out, ends this rank with one line on stderr and exit code 1,
+    not a page of C++ frames; Ctrl-C ends it with exit code 130 (interrupted)."""
+    signal.signal(signal.SIGINT, interrupted)
     try:
         yield
-    except RuntimeError as err:  # gloo and NCCL report an expired timeout or a closed connection so
-        line = faults.one_line(err, timeout_s)  # who stalled or died, and what this rank was doing
+    except (RuntimeError, MemoryError) as err:  # gloo and NCCL report an expired timeout or a closed connection so
+        line = faults.one_line(err, timeout_s) or out_of_memory(err)  # who stalled or died, what this rank was doing
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
         faults.linger()  # rank 0 keeps the store it runs until the others have read it
         os._exit(1)  # no teardown: it would wait on the stalled peer again
+
+
+def out_of_memory(err: BaseException):
+    """The one line of an allocation that failed (CUDA's OutOfMemoryError, the CPU allocator's error, Python's
+    MemoryError), naming the step and the rank; None for any other error."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not isinstance(err, MemoryError) and "out of memory" not in text and "can't allocate memory" not in text:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"error: out of memory in step {progress['step']} on rank {rank}: {text}"
+
+
+def interrupted(signum, frame):
+    """Ctrl-C (SIGINT, which torchrun passes on to every rank): rank 0 says where the run was, and every rank
+    exits with 130 at once, as a shell reports an interrupted command; no rank waits on the others."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        where = progress["checkpoint"] or "none (no --save, or nothing saved yet)"
+        os.write(2, f"interrupted at step {progress['step']}; the last checkpoint is {where}\n".encode())
+    os._exit(130)
 
 
 def stop_if_diverged(record):

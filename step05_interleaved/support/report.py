@@ -10,14 +10,22 @@ train.py calls the last two after its last step. tests/check_formulas.py, tests/
 tests/harness.py read the printed lines.
 """
 import json
+import os
+import tempfile
+import threading
+import time
 from functools import partial
 
+import torch
 import torch.distributed as dist
 
+from support.budget import probe_rates, step_flops
 from config import family
-from support.distributed import peak_memory_bytes
+from support.distributed import peak_memory_bytes, progress
 from process_groups import describe_rank
 from support.timeline import bubble_report, gather_events, write_chrome_trace
+
+TICK_S = 10.0  # a step running this long says so, again every TICK_S (watch)
 
 
 def rank_name(args):
@@ -32,20 +40,75 @@ def stage_of(args, rank: int) -> int:
 
 def open_log(args):
     """Rank 0's --log-json file (None on the other ranks, or without the flag); a resumed run appends to it.
-    Line-buffered: each step's record is on disk when the step ends, also when a stalled peer later ends this rank
-    through os._exit, which writes out no buffers."""
-    mode = "a" if args.resume else "w"
-    return open(args.log_json, mode, buffering=1) if args.log_json and dist.get_rank() == 0 else None
+    Before the first step, rank 0 also says how long that step will take when it is long (announce), and a step
+    still running after TICK_S says so every TICK_S (watch).
+
+    The log is written under a temporary name beside the path, renamed over the path once it holds its first
+    record (log_step): the path always holds whole records, an earlier run's until then. Line-buffered: each
+    step's record is on disk when the step ends, also when a stalled peer later ends this rank through os._exit,
+    which writes out no buffers."""
+    progress.update(since=time.monotonic())
+    if dist.get_rank() != 0:
+        return None
+    announce(args)
+    watch(args.steps)
+    if not args.log_json:
+        return None
+    folder, name = os.path.split(os.path.abspath(args.log_json))
+    log = tempfile.NamedTemporaryFile("w", dir=folder, prefix=name + ".", suffix=".tmp", delete=False, buffering=1)
+    log.final = args.log_json  # where log_step renames it to
+    if args.resume and os.path.isfile(args.log_json):
+        with open(args.log_json) as earlier:  # config refused a file this course did not write
+            log.write(earlier.read())
+        print(f"--log-json {args.log_json}: an earlier run's log, which this resumed run appends to", flush=True)
+    elif os.path.isfile(args.log_json):
+        print(f"--log-json {args.log_json}: an earlier run's log, which this run replaces", flush=True)
+    return log
+
+
+def announce(args, long_s: float = 10.0, probe_above: float = 1e10):
+    """Rank 0, before the first step: the step's FLOPs (budget.step_flops) at the rates a short probe measures, and
+    one line if that is over long_s. A step of under probe_above FLOPs is not probed: it cannot take long_s at
+    the 1 GFLOP/s that even a slow CPU kernel reaches."""
+    products, attention = step_flops(args)
+    if products + attention < probe_above:
+        return
+    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16).get(getattr(args, "precision", "fp32"), torch.float32)
+    device = "cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available() else "cpu"
+    product_rate, attention_rate = probe_rates(args, device, dtype)
+    seconds = products / product_rate + attention / attention_rate
+    if seconds > long_s:
+        print(f"the first step will take about {seconds:.0f} s on the busiest rank: {products:.1e} FLOPs of matrix "
+              f"products at {product_rate / 1e9:.1f} GFLOP/s and {attention:.1e} of attention at "
+              f"{attention_rate / 1e9:.1f} GFLOP/s, as a short probe measured; a step says every {TICK_S:g} s "
+              "that it still runs", flush=True)
+
+
+def watch(steps: int):
+    """Rank 0: a daemon thread that, while a step has run for TICK_S or more, says so every TICK_S, so that a long
+    step is never silent (progress, which log_step moves on, says which step runs and since when)."""
+    def tick():
+        while True:
+            time.sleep(TICK_S)
+            running = time.monotonic() - progress["since"]
+            if progress["step"] < steps and running >= TICK_S:
+                print(f"(step {progress['step']} still running after {running:.0f} s)", flush=True)
+
+    threading.Thread(target=tick, name="watch", daemon=True).start()
 
 
 def log_step(record, log):
     """Rank 0 prints the step's line and writes its record to the --log-json file."""
+    progress.update(step=record["step"] + 1, since=time.monotonic())  # for the ticker and an early end
     if dist.get_rank() != 0:
         return
     print(f"step {record['step']:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
           f"{record['tokens_per_s']:9.0f} tokens/s", flush=True)
     if log:
         log.write(json.dumps(record) + "\n")
+        if log.final:  # the first record is in: the log replaces the path, whole
+            os.replace(log.name, log.final)
+            log.final = None
 
 
 def gather_peaks(run) -> dict:
@@ -78,5 +141,7 @@ def report(run, last_record):
     text, value = family(run.args).bubble_formula(run.args)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args))))
     if run.args.trace:
+        replaced = os.path.isfile(run.args.trace)  # config refused a file this course did not write
         write_chrome_trace(events, run.args.trace, rank_name(run.args))
-        print(f"trace written to {run.args.trace} (open it in https://ui.perfetto.dev)")
+        print(f"trace written to {run.args.trace}" + (", replacing an earlier run's trace" if replaced else "") +
+              " (open it in https://ui.perfetto.dev)")

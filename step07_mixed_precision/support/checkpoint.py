@@ -24,11 +24,15 @@ written (torch/distributed/checkpoint/state_dict_saver.py: `reduce_scatter("plan
 reads that index and fetches, for each entry a rank asks for, the bytes whichever rank wrote: a run at
 pp 2 loads the checkpoint of a run at pp 4, or of one process.
 
-A checkpoint is complete or absent. DCP writes into DIR/step00000006.tmp; after a barrier (every
-rank has written), rank 0 renames it to DIR/step00000006, one atomic rename. A run killed in the
-middle of a save leaves a .tmp folder, which --resume never reads: it takes the newest folder that
-was renamed. The data is a function of the step (data.get_batch), so the step index is all a
-resumed run needs to draw the next batch.
+A checkpoint is complete or absent. DCP writes into DIR/step00000006.tmp. Once every rank has
+written, rank 0 writes record.json last, each file's bytes and CRC-32, then renames the folder to
+DIR/step00000006, one atomic rename, and prints one line: step, folder, bytes, seconds. A run killed
+in the middle of a save leaves a .tmp folder, which --resume never reads. --resume DIR takes the
+newest folder whose files match their record, and says which newer ones it skipped and why;
+--resume DIR/step00000004 takes that one or refuses it. A folder without record.json, saved before
+the course wrote one, is taken unchecked (the line says so). A save that fails (a full disk, a folder
+made read-only) stops the run with one line: going on, it could no longer keep what it computes. The
+data is a function of the step (data.get_batch), so the step index is all a resumed run needs.
 
 Step 06: a TP rank holds a slice of each split parameter under the whole parameter's name. It is
 saved as what it is, a DTensor sharded along its `tp_split_dim` over the TP group's DeviceMesh, so
@@ -46,18 +50,24 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from support.distributed import progress
 from model import ModelConfig
 
 NAME = re.compile(r"step(\d{8})")  # a complete checkpoint's folder; DCP's .tmp folders do not match
+RECORD = "record.json"  # written last into a checkpoint: {"files": {name: {"bytes": n, "crc32": c}}, ...}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "tie_embeddings")  # fix the model's shape, with the vocabulary
 
 
@@ -72,10 +82,77 @@ def complete(root: str) -> list:
     return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, ".metadata"))]
 
 
-def newest(root: str):
-    """The newest complete checkpoint in root, or None."""
-    found = complete(root)
-    return found[-1] if found else None
+def newest(path: str):
+    """The checkpoint --resume path names, before check_flags has checked it: path itself if it is a folder
+    stepNNNNNNNN (check_flags puts the one it chose into args.resume), else the newest such folder in path."""
+    found = candidates(path)
+    return found[0] if found else None
+
+
+def candidates(path: str) -> list:
+    """The checkpoints --resume path may take, newest first: path itself if it is a folder stepNNNNNNNN,
+    else the folders stepNNNNNNNN in it."""
+    if NAME.fullmatch(os.path.basename(os.path.normpath(path))):
+        return [path]
+    names = sorted((n for n in os.listdir(path) if NAME.fullmatch(n)), reverse=True) if os.path.isdir(path) else []
+    return [os.path.join(path, n) for n in names]
+
+
+def crc32(path: str) -> int:
+    """The CRC-32 of a file's bytes, read a MiB at a time."""
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def fault(folder: str):
+    """Why a checkpoint folder cannot be taken (a file missing, or of other bytes than its record says), or None."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    try:
+        with open(os.path.join(folder, RECORD)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:  # saved before checkpoints had a record: only DCP's index can be looked for
+        return None if os.path.isfile(os.path.join(folder, ".metadata")) else f"it has no {RECORD}"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its {RECORD} cannot be read ({err})"
+    for name, want in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != want["bytes"]:
+            return f"{name} has {os.path.getsize(path)} bytes, its record says {want['bytes']}"
+        if crc32(path) != want["crc32"]:
+            return f"{name} does not match the CRC-32 in its record"
+    return None
+
+
+def choose(path: str):
+    """(the checkpoint --resume path takes, the line that says so): the newest candidate that passes its
+    check, naming each newer one skipped and why. A ValueError when none passes."""
+    found, skipped = candidates(path), []
+    if not found:
+        raise ValueError(f"--resume {path} holds no checkpoint: no folder stepNNNNNNNN in it (a .tmp folder is a "
+                         "save that never finished)")
+    for folder in found:
+        why = fault(folder)
+        if why is None:
+            how = "" if os.path.isfile(os.path.join(folder, RECORD)) else f" unchecked (it has no {RECORD})"
+            return folder, f"resuming from {folder}{how}" + "".join(f"; skipped {s}" for s in skipped)
+        skipped.append(f"{os.path.basename(os.path.normpath(folder))}: {why}")
+    if found == [path]:  # named by hand: that one or none
+        raise ValueError(f"--resume {path} fails its check: {why}")
+    raise ValueError(f"--resume {path}: no checkpoint passes its check ({'; '.join(skipped)})")
+
+
+def cause(err: BaseException) -> str:
+    """The first sentence of the error underneath: of the first rank's failure, for DCP's CheckpointException."""
+    if isinstance(err, CheckpointException):
+        err = next(iter(err.failures.values()))[0]
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0].split('. ')[0] if text else ''}"
 
 
 def facts(args, step: int) -> dict:
@@ -85,12 +162,21 @@ def facts(args, step: int) -> dict:
 
 
 def read_facts(path: str) -> dict:
-    """A checkpoint's facts, read by one process before any process group exists (config.py)."""
+    """A checkpoint's facts, read by one process before any process group exists (config.py); a ValueError
+    naming the file and DCP's message when they cannot be read."""
     state = {"run": ""}
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the intent
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    return json.loads(state["run"])
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # whatever unpickling garbage raises
+        raise ValueError(f"--resume {os.path.join(path, '.metadata')} cannot be read: {cause(err)}") from None
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the intent
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+        return json.loads(state["run"])
+    except (Exception, CheckpointException) as err:
+        where = [info.relative_path for index, info in meta.storage_data.items() if index.fqn == "run"]
+        raise ValueError(f"--resume {os.path.join(path, *where[:1])} cannot be read: {cause(err)}") from None
 
 
 def add_flags(p):
@@ -101,7 +187,8 @@ def add_flags(p):
                        help="save every N optimizer steps (default: only after the last)")
     group.add_argument("--keep", type=int, default=2, help="keep the newest K checkpoints in --save")
     group.add_argument("--resume", default=None, metavar="DIR",
-                       help="go on from the newest complete checkpoint in DIR, up to --steps")
+                       help="go on from the newest checkpoint in DIR whose files match their record, or from "
+                       "DIR itself if it is one (DIR/stepNNNNNNNN), up to --steps")
 
 
 def check_flags(args):
@@ -111,7 +198,10 @@ def check_flags(args):
     if args.save:
         check_save_folder(args.save)
     if args.resume:
-        check_resume(args, newest(args.resume))
+        args.resume, line = choose(args.resume)  # from here on, the checkpoint itself
+        check_resume(args, args.resume)
+        if os.environ.get("RANK", "0") == "0":
+            print(line, flush=True)
 
 
 def check_save_folder(path: str):
@@ -128,10 +218,7 @@ def check_save_folder(path: str):
 
 
 def check_resume(args, path):
-    """The newest complete checkpoint exists, holds this model's shape, and leaves steps to run."""
-    if path is None:
-        raise ValueError(f"--resume {args.resume} holds no complete checkpoint (a folder stepNNNNNNNN with "
-                         "DCP's .metadata)")
+    """The chosen checkpoint holds this model's shape, and leaves steps to run."""
     saved, wanted = read_facts(path), facts(args, 0)
     missing = [fact for fact in wanted if fact not in saved]  # the facts later steps of the course add
     if missing:
@@ -196,27 +283,84 @@ def due(args, step: int) -> bool:
 
 
 def save(run, step: int):
-    """Write the checkpoint of `step` (optimizer steps done) into --save, every rank its own entries,
-    then mark it complete and keep the newest --keep (all ranks call it)."""
-    root, rank = run.args.save, dist.get_rank()
+    """Write the checkpoint of `step` (optimizer steps done) into --save, every rank its own entries, then mark
+    it complete and keep the newest --keep (all ranks call it). A save that fails stops every rank, one line."""
+    root, start = run.args.save, time.perf_counter()
     final = folder_of(root, step)
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(final + ".tmp", ignore_errors=True)  # a save that a crash cut short
-    dist.barrier()  # the .tmp folder is empty before anyone writes into it
-    dcp.save(state_of(run, step, copies=False), checkpoint_id=final + ".tmp")
-    dist.barrier()  # every rank has written its file, and rank 0 the index
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # a resumed run may save a step again
-        os.rename(final + ".tmp", final)  # complete: --resume may read it from now on
-        for old in complete(root)[:-run.args.keep]:
-            shutil.rmtree(old)
+    try:
+        on_rank_0(lambda: clear(root, final))  # the .tmp folder is empty before anyone writes into it
+        dcp.save(state_of(run, step, copies=False), checkpoint_id=final + ".tmp")  # back when all have written
+        size = on_rank_0(lambda: finish(final, run.args.keep))
+    except (OSError, CheckpointException) as err:
+        stop(f"error: the checkpoint of step {step} cannot be saved into {root}: {cause(err)}. The run stops: "
+             "going on, it could keep nothing it computes; the last checkpoint is "
+             f"{progress['checkpoint'] or 'none'}", code=1)
+    progress["checkpoint"] = final
+    if dist.get_rank() == 0:
+        seconds = time.perf_counter() - start
+        print(f"checkpoint of step {step} saved: {final}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
+
+
+def clear(root: str, final: str):
+    """Rank 0, before a save: the folder exists, and no .tmp folder is left of a save that a crash cut short."""
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(final + ".tmp", ignore_errors=True)
+
+
+def finish(final: str, keep: int) -> int:
+    """Rank 0, once every rank has written: the record last, then the rename that makes the checkpoint complete,
+    then only the newest `keep` left. Returns the checkpoint's bytes."""
+    files = {name: dict(bytes=os.path.getsize(os.path.join(final + ".tmp", name)),
+                        crc32=crc32(os.path.join(final + ".tmp", name))) for name in sorted(os.listdir(final + ".tmp"))}
+    write_whole(os.path.join(final + ".tmp", RECORD), json.dumps(dict(files=files), indent=1))
+    shutil.rmtree(final, ignore_errors=True)  # a resumed run may save a step again
+    os.rename(final + ".tmp", final)  # complete: --resume may read it from now on
+    for old in complete(os.path.dirname(final))[:-keep]:
+        shutil.rmtree(old)
+    return sum(f["bytes"] for f in files.values())
+
+
+def write_whole(path: str, text: str):
+    """Write text to path whole or not at all: into a temporary file beside it, renamed over it once written."""
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def on_rank_0(work):
+    """work() on rank 0 alone; every rank gets its result, or raises its OSError: the ranks agree, and none
+    waits in a barrier for a rank 0 that failed."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (work(), None)
+        except OSError as err:
+            box[0] = (None, err)
+    dist.broadcast_object_list(box, src=0)  # the others wait here until rank 0 is done
+    result, err = box[0]
+    if err is not None:
+        raise err
+    return result
+
+
+def stop(line: str, code: int):
+    """End every rank with rank 0's one line (all ranks call it, as they do after a failed save or load):
+    rank 0 prints before the barrier, so no rank exits, and none is stopped by torchrun, before the line is out."""
+    if dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(code)  # as distributed.shutdown: no teardown
 
 
 def load(run, path: str) -> int:
     """Load the checkpoint at path into this rank's parameters and optimizer; returns its step."""
     state = state_of(run, 0)
-    dcp.load(state, checkpoint_id=path)  # reads this rank's entries, whichever ranks wrote them
+    try:
+        dcp.load(state, checkpoint_id=path)  # reads this rank's entries, whichever ranks wrote them
+    except (OSError, ValueError, AssertionError, CheckpointException) as err:  # every rank gets DCP's verdict
+        stop(f"error: --resume {path} cannot be loaded: {cause(err)}", code=2)
+    progress.update(step=json.loads(state["run"])["step"], checkpoint=path)
     for name, p, stepped in entries(run):
         run.optimizer.adamw.state[stepped] = {key: value.to_local() if isinstance(value, DTensor) else value
                                               for key, value in state["optimizer"][name].items()}
