@@ -23,7 +23,8 @@ weight_grad_store.py first, then dualpipe.py. Its files, bottom-up:
   flags and build: config.py (flags and their rules; which family runs a schedule), budget.py, data.py,
       distributed.py, faults.py, checkpoint.py, and this file: build, one step, the training loop
   what is measured: timeline.py, memory.py, report.py, plots.py
-  the side road: pipedream.py (PipeDream: 1F1B with no flush, step 04)
+  the side roads: pipedream.py (PipeDream: 1F1B with no flush, step 04), schedule_lab.py (any schedule
+      as a list of actions in PyTorch's notation: --schedule-file, --dump-schedule)
 """
 import time
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from dualpipe import twin_copies
+from schedule_lab import dump_schedule
 from stage import VirtualStages
 from report import gather_peaks, log_step, open_log, report
 from timeline import Timeline, install
@@ -197,6 +199,8 @@ def train(args):
             checkpoint.save(run, step + 1)
     if log:
         log.close()
+    if args.dump_schedule:  # the actions of the last step, as a list that --schedule-file runs (schedule_lab.py)
+        dump_schedule(run, model_chunks)
     report(run, record)
 
 
