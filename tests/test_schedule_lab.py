@@ -77,3 +77,72 @@ def test_each_course_schedule_runs_bitwise_as_a_list(step_dirs, tmp_path):
             json.dumps(cases)], 2, tmp_path, timeout=240)
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report) == len(COURSE) and all(rank == [True, True] for ranks in report.values() for rank in ranks), report
+
+
+class MockStage:
+    """What torch's schedules read of a stage to build their order: no model, no process group."""
+
+    def __init__(self, index, n_stages, pp, rank):
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, n_stages, pp, rank
+        self.is_first, self.is_last, self.submod = index == 0, index == n_stages - 1, None
+
+
+def torch_csv(path, kind, pp, m, virtual=1):
+    """The CSV torch's own _dump_csv writes for one of its schedules (rank 0's object: every rank builds
+    the whole order). Schedule1F1B is a single-stage schedule without _dump_csv: PipelineScheduleMulti's
+    writes its pipeline_order."""
+    from torch.distributed.pipelining import schedules
+    stages = [MockStage(rank + c * pp, pp * virtual, pp, 0) for rank in (0,) for c in range(virtual)]
+    schedule = getattr(schedules, kind)(stages[0] if kind == "Schedule1F1B" else stages, m)
+    if kind == "Schedule1F1B":
+        schedules.PipelineScheduleMulti._dump_csv(schedule, str(path))
+    else:
+        schedule._dump_csv(str(path), format="compute_only")
+    return path
+
+
+def run_lab(path, *flags):
+    return subprocess.run([sys.executable, str(REPO / "tests" / "lab.py"), str(path), *flags],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_torch_interleaved_csv_passes_the_lab(tmp_path, virtual):
+    """torch's ScheduleInterleaved1F1B, with one stage per rank (its 1F1B as a runtime list) and with two:
+    its _dump_csv runs in the lab, the gloo run included, and passes."""
+    path = torch_csv(tmp_path / f"interleaved{virtual}.csv", "ScheduleInterleaved1F1B", 4, 8, virtual)
+    done = run_lab(path, "--pp", "4", "--microbatches", "8", "--png", str(tmp_path / "t.png"))
+    assert done.returncode == 0 and "gloo run vs one device       pass" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_torch_schedule_1f1b_csv_is_refused_naming_rank_and_action(tmp_path):
+    """torch 2.13's Schedule1F1B._get_pipeline_order (the IR its _dump_csv would write) numbers the last rank's
+    forwards from 1: its 3F8 does not exist, its 3F0 is missing. The lab refuses it in one line."""
+    done = run_lab(torch_csv(tmp_path / "1f1b.csv", "Schedule1F1B", 4, 8), "--pp", "4", "--microbatches", "8")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert "rank 3, action 14 3F8: microbatch 8 does not exist" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("rows, flags, line", [
+    ("0F0,0X0\n1F0,1B0\n", [], "rank 0, action 1 '0X0': unknown action"),
+    ("0F0,0B0\n1F0,1B0\n", ["--pp", "3"], "the list has 2 rows (ranks), but --pp is 3"),
+    ("0F0,0B0\n7F0,7B0\n", [], "rank 1, action 0 7F0: stage 7 does not exist"),
+])
+def test_bad_input_gets_one_line_before_any_work(tmp_path, rows, flags, line):
+    path = tmp_path / "bad.csv"
+    path.write_text(rows)
+    done = run_lab(path, *(flags or ["--pp", "2"]), "--microbatches", "1")
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done
+    assert line in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("rows, line", [
+    ("0F0,0B1,0F1,0B0\n1F0,1B0,1F1,1B1\n", "rank 0, action 1 0B1: before its 0F1"),  # invalid
+    ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlock: rank 0 waits at 0B0; rank 1 waits at 1F1"),
+])
+def test_invalid_and_deadlocking_lists_fail_naming_rank_and_action(tmp_path, rows, line):
+    path = tmp_path / "list.csv"
+    path.write_text(rows)
+    done = run_lab(path, "--pp", "2", "--microbatches", "2", "--no-run")
+    assert done.returncode == 1 and line in done.stdout and "FAIL" in done.stdout, done.stdout + done.stderr
