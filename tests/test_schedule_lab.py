@@ -3,6 +3,7 @@ every course schedule's dumped list run bitwise equal to its function, and the l
 import json
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 
@@ -146,3 +147,76 @@ def test_invalid_and_deadlocking_lists_fail_naming_rank_and_action(tmp_path, row
     path.write_text(rows)
     done = run_lab(path, "--pp", "2", "--microbatches", "2", "--no-run")
     assert done.returncode == 1 and line in done.stdout and "FAIL" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def generators():
+    import lab_schedules
+    return lab_schedules
+
+
+def torch_order(kind, pp, m):
+    """torch's own order of ScheduleZBVZeroBubble (V placement) or ScheduleLoopedBFS (interleaved), per rank."""
+    from torch.distributed.pipelining import schedules
+    cls = schedules.ScheduleZBVZeroBubble if kind == "zbv" else schedules.ScheduleLoopedBFS
+    order = []
+    for rank in range(pp):
+        second = 2 * pp - 1 - rank if kind == "zbv" else rank + pp
+        built = cls([MockStage(rank, 2 * pp, pp, rank), MockStage(second, 2 * pp, pp, rank)], m)
+        order.append([(a.stage_index, a.computation_type.value, a.microbatch_index)
+                      for a in built.pipeline_order[rank] if a is not None])
+    return order
+
+
+@pytest.mark.parametrize("kind", ["zbv", "looped-bfs"])
+def test_generators_build_torch_order(generators, kind):
+    """Every p from 1 to 5 and m from 1 to 12: the generator's lists are torch's, action for action.
+    Control: the other generator's lists are not."""
+    other = {"zbv": "looped-bfs", "looped-bfs": "zbv"}[kind]
+    for pp in range(1, 6):
+        for m in range(1, 13):
+            assert generators.GENERATORS[kind](pp, m) == torch_order(kind, pp, m), (kind, pp, m)
+    assert generators.GENERATORS[other](4, 8) != torch_order(kind, 4, 8)
+
+
+TIMES = [(1, 1, 1), (1, Fraction(6, 5), Fraction(3, 5)), (1, 1, Fraction(1, 2))]  # F <= B, W <= B
+
+
+@pytest.mark.parametrize("kind", ["zbv", "looped-bfs"])
+def test_generators_idle_and_peak_as_their_formulas(lab, generators, kind):
+    """The exact ideal timeline (schedule_lab.ideal_idle, pass times of one stage) for p 2..5: ZB-V with
+    m >= 2p idles (p-1)B on every rank and stores 2p (stage, microbatch) pairs (p whole microbatches,
+    1F1B's first stage); Looped BFS with m >= p idles (p-1)(F+B+W), GPipe's, and stores all 2m.
+    Control: each formula fails on the other schedule's lists."""
+    formulas = {"zbv": (lambda pp, m, f, b, w: (pp - 1) * b, lambda pp, m: 2 * pp),
+                "looped-bfs": (lambda pp, m, f, b, w: (pp - 1) * (f + b + w), lambda pp, m: 2 * m)}
+    idle_of, peak_of = formulas[kind]
+    other = {"zbv": "looped-bfs", "looped-bfs": "zbv"}[kind]
+    control_caught = False
+    for pp in range(2, 6):
+        for m in (2 * pp, 2 * pp + 3):
+            plan, wrong = ([[lab.Action(*a) for a in row] for row in generators.GENERATORS[k](pp, m)]
+                           for k in (kind, other))
+            for times in TIMES:
+                assert lab.ideal_idle(plan, times) == [idle_of(pp, m, *times)] * pp, (pp, m, times)
+                control_caught |= lab.ideal_idle(wrong, times) != [idle_of(pp, m, *times)] * pp
+            assert [lab.peak_stored(row) for row in plan] == [peak_of(pp, m)] * pp, (pp, m)
+    assert control_caught
+
+
+@pytest.mark.parametrize("torch_class, kind", [("ScheduleZBVZeroBubble", "zbv"), ("ScheduleLoopedBFS", "looped-bfs")])
+def test_generated_lists_train_bitwise_as_torch(step_dirs, generators, tmp_path, torch_class, kind):
+    """Each generated list, run by step 08's runtime (--schedule-file), gives bitwise the gradients of torch's
+    own schedule class on the same model, weights and batch (tests/torch_pp.py); control: torch on the next
+    batch must differ (ZB-V)."""
+    path = tmp_path / f"{torch_class}.csv"
+    generators.write(path, generators.GENERATORS[kind](2, 8))
+    modes = ["grads", "control"] if kind == "zbv" else ["grads"]
+    for mode in modes:
+        out = tmp_path / f"{mode}.json"
+        flags = ["--device", "cpu", "--schedule-file", str(path), "--microbatches", "8", "--batch-size", "16",
+                 "--layers", "8", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--timeout", "60"]
+        launch([sys.executable, str(REPO / "tests" / "torch_pp.py"), str(step_dirs[STEP]), mode, str(out), *flags],
+               2, tmp_path / mode, timeout=120)
+        bitwise = [rank["bitwise"] for rank in json.loads(out.read_text())["ranks"]]
+        assert bitwise == ([True, True] if mode == "grads" else [False, False]), (mode, bitwise)
