@@ -156,9 +156,11 @@ def generators():
 
 
 def torch_order(kind, pp, m):
-    """torch's own order of ScheduleZBVZeroBubble (V placement) or ScheduleLoopedBFS (interleaved), per rank."""
+    """torch's own order, per rank, of ScheduleZBVZeroBubble (V placement), ScheduleLoopedBFS or
+    ScheduleInterleaved1F1B (interleaved placement), two stages per rank."""
     from torch.distributed.pipelining import schedules
-    cls = schedules.ScheduleZBVZeroBubble if kind == "zbv" else schedules.ScheduleLoopedBFS
+    cls = {"zbv": schedules.ScheduleZBVZeroBubble, "looped-bfs": schedules.ScheduleLoopedBFS,
+           "interleaved": schedules.ScheduleInterleaved1F1B}[kind]
     order = []
     for rank in range(pp):
         second = 2 * pp - 1 - rank if kind == "zbv" else rank + pp
@@ -220,3 +222,40 @@ def test_generated_lists_train_bitwise_as_torch(step_dirs, generators, tmp_path,
                2, tmp_path / mode, timeout=120)
         bitwise = [rank["bitwise"] for rank in json.loads(out.read_text())["ranks"]]
         assert bitwise == ([True, True] if mode == "grads" else [False, False]), (mode, bitwise)
+
+
+def one_f_one_b_plan(pp, m, warmup, split=False):
+    """1F1B with warmup(stage) forwards before the first backward; split: each B as I then W at once."""
+    backward = [("I", "W")] if split else [("B",)]
+    plan = []
+    for s in range(pp):
+        w = min(warmup(s), m)
+        order = [(s, "F", i) for i in range(w)]
+        for i in range(m - w):
+            order += [(s, "F", w + i)] + [(s, k, i) for k in backward[0]]
+        order += [(s, k, i) for i in range(m - w, m) for k in backward[0]]
+        plan.append(order)
+    return plan
+
+
+def one_at_a_time(pp, m):
+    """The interleaved placement, each microbatch all the way down and back before the next: valid, slow."""
+    return [[(s, kind, mb) for mb in range(m) for s, kind in ((r, "F"), (r + pp, "F"), (r + pp, "B"), (r, "B"))]
+            for r in range(pp)]
+
+
+@pytest.mark.parametrize("name, meets, misses, m", [
+    ("stage0-two", lambda: one_f_one_b_plan(4, 8, lambda s: min(4 - s - 1, 1)),
+     lambda: one_f_one_b_plan(4, 8, lambda s: 4 - s - 1), 8),
+    ("beat-1f1b", lambda: one_f_one_b_plan(4, 8, lambda s: 4 - s - 1, split=True),
+     lambda: one_f_one_b_plan(4, 8, lambda s: 4 - s - 1), 8),
+    ("interleaved-m6", lambda: torch_order("interleaved", 4, 6), lambda: one_at_a_time(4, 6), 6),
+])
+def test_challenges_are_graded(generators, tmp_path, name, meets, misses, m):
+    """Each challenge passes a list that meets it and fails one that does not (1F1B itself, for the first two)."""
+    for plan, expected in ((meets(), 0), (misses(), 1)):
+        path = tmp_path / f"{expected}.csv"
+        generators.write(path, plan)
+        done = run_lab(path, "--pp", "4", "--microbatches", str(m), "--no-run", "--challenge", name)
+        assert done.returncode == expected and f"challenge {name}" in done.stdout, done.stdout + done.stderr
+
