@@ -27,6 +27,7 @@ import dualpipe
 import pipedream
 import schedule
 from support.timeline import TRACE_MARK
+import schedule_lab
 
 
 class ConfigError(ValueError):
@@ -36,7 +37,7 @@ class ConfigError(ValueError):
 REFUSAL_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after a refusal (refuse)
 MIN_TIMEOUT_S = 1.0  # --timeout's floor: the start-up's rendezvous runs under the same timeout
 MAX_SEED = (2**64 - 2**32) // 1_000_003  # model.py seeds with seed * 1_000_003 + crc32(name) < 2**64
-ADD_ONS = (pipedream, dualpipe)  # the schedule families beside schedule.py, each with its own flags and rules
+ADD_ONS = (pipedream, dualpipe, schedule_lab)  # the schedule families beside schedule.py, each with its own flags and rules
 SCHEDULE_NAMES = [name for module in (schedule, *ADD_ONS) for name in module.SCHEDULES]
 
 
@@ -287,7 +288,7 @@ def check_files(args):
                     else (DEFAULT_CORPUS_BYTES, "the default corpus"))
     if size < args.seq_len + 2:
         raise ConfigError(f"{source} has {size} bytes, fewer than --seq-len {args.seq_len} + 2")
-    for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
+    for flag, path in (("--log-json", args.log_json), ("--trace", args.trace), ("--dump-schedule", args.dump_schedule)):
         if path:
             check_output(flag, path)
 
@@ -391,7 +392,7 @@ def check_config(args, world_size: int, gpus: int):
     if args.pp is None:
         args.pp = max(world_size // max(args.dp * args.tp, 1), 1)
     if args.schedule is None:
-        args.schedule = "interleaved" if args.virtual_stages > 1 else "1f1b"
+        args.schedule = "file" if args.schedule_file else "interleaved" if args.virtual_stages > 1 else "1f1b"
     check_numbers(args)
     if args.tp * args.pp * args.dp != world_size:
         raise ConfigError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {args.tp * args.pp * args.dp} "

@@ -26,6 +26,7 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   train.py              this file: build, one step, the training loop
   config.py, data.py    the flags and their rules; a batch from (seed, step)
   pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
+  schedule_lab.py       another side road: any schedule as a list of actions (--schedule-file, --dump-schedule)
 """
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from support.memory import ActivationMeter
 from p2p import PipelineComm
 from process_groups import ProcessGroupManager
 from dualpipe import twin_copies
+from schedule_lab import dump_schedule
 from stage import VirtualStages
 from support.report import gather_peaks, log_step, open_log, report
 from support.timeline import Timeline, install
@@ -202,6 +204,8 @@ def train(args):
             checkpoint.save(run, step + 1)
     if log:
         log.close()
+    if args.dump_schedule:  # the actions of the last step, as a list that --schedule-file runs (schedule_lab.py)
+        dump_schedule(run, model_chunks)
     report(run, record)
 
 

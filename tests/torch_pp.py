@@ -10,6 +10,8 @@ PipelineStages and the matching schedule:
     afab -> ScheduleGPipe,  1f1b -> Schedule1F1B,  interleaved -> ScheduleInterleaved1F1B,
     zb1p (step 08) -> ScheduleInterleavedZeroBubble (torch's ZB1P, here with one stage per rank)
     dualpipev (step 08) -> ScheduleDualPipeV (rank r holds stages r and 2p-1-r)
+    --schedule-file PATH (step 08, a list of actions) -> torch's schedule class named by the file's
+        stem, e.g. ScheduleZBVZeroBubble.csv (tests/lab_schedules.py writes such lists)
 
 grads: one step of each; rank 0 writes, per schedule, whether every gradient is
 bitwise equal (and the largest difference). Our last stage seeds its backward with
@@ -31,6 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
@@ -72,8 +75,9 @@ def torch_pipeline(train, model, run):
     chunks = [model.Transformer(train.model_config(args), layers[g], first=g == 0, last=g == n_chunks - 1,
                                 seed=args.seed).to(run.device) for g in ids]
     stages = [PipelineStage(chunk, g, n_chunks, run.device, group=pgm.pp_group) for chunk, g in zip(chunks, ids)]
-    kind = TORCH_SCHEDULES[args.schedule]
-    several = args.schedule in ("interleaved", "zb1p", "dualpipev")  # the schedules that take a list of stages
+    listed = getattr(args, "schedule_file", None)  # step 08: a list, compared with the class its file is named after
+    kind = getattr(schedules, os.path.basename(listed).split(".")[0]) if listed else TORCH_SCHEDULES[args.schedule]
+    several = args.schedule in ("interleaved", "zb1p", "dualpipev", "file")  # the schedules that take a list of stages
     schedule = kind(stages if several else stages[0], args.microbatches, loss_fn=model.lm_loss)
     params = [p for chunk in chunks for p in chunk.parameters()]
     return chunks, schedule, torch.optim.AdamW(params, lr=args.lr)
