@@ -38,6 +38,7 @@ import harness
 
 REPO = Path(__file__).resolve().parent.parent
 READMES = [REPO / "README.md", *sorted(REPO.glob("step0*/README.md")), REPO / "tests" / "README.md"]
+CATALOGUE = sorted((REPO / "tests").glob("exercises*.py"))  # the exercises, by id="..."
 QUOTE = re.compile(r"<!-- (?:output of: (?P<command>.+?)|commands and output) -->\n```[a-z]*\n(?P<body>.*?)```",
                    re.S)
 TORCHRUN = re.compile(r"torchrun --nproc_per_node (\d+) (.*)")
@@ -48,6 +49,7 @@ MEASURED = [  # what depends on the machine's speed, never on the code: masked o
     (re.compile(r"busy \d\.\d+ +bubble \d\.\d+"), "busy <b> bubble <b>"),
     (re.compile(r"F:B:W = 1:\d+\.\d+:\d+\.\d+( = \d\.\d+)?"), "F:B:W = <measured>"),
     (re.compile(r"\(\d+\.\d s\)"), "(<t> s)"),
+    (re.compile(r"MiB in \d+\.\d+ s$"), "MiB in <t> s"),
     (re.compile(r"idle = \S+ \(the longest"), "idle = <the chain the measured times make> (the longest"),
 ]
 LAUNCH_TIMEOUT = 120
@@ -136,7 +138,7 @@ class Runner:
         return self.cache[key]
 
     def _run(self, readme, command, quoted):
-        folder = self.scratch / readme.parent.name
+        folder = self.scratch / "runs" / readme.parent.name  # beside the links to the step folders (_refuse_all)
         folder.mkdir(parents=True, exist_ok=True)
         if command.startswith("python tests/"):
             return self._tool(command)
@@ -166,6 +168,9 @@ class Runner:
                 if is_refusal(quoted) and step_command(command):
                     world, script, flags = step_command(command)
                     cases.setdefault(script.split("/")[0], []).append([world, flags])
+        for step in REPO.glob("step0*"):  # a quoted path such as step01_naive/model.py names the course's file
+            if not (self.scratch / step.name).exists():
+                (self.scratch / step.name).symlink_to(step, target_is_directory=True)
         started = {}
         for step, step_cases in cases.items():
             path = self.scratch / f"{step}_refusals.json"
@@ -252,7 +257,7 @@ def missing(command: str):
             problems += [f"{word} has no flag {flag}" for flag in words[i + 1:]
                          if flag.startswith("--") and f'"{flag.split("=")[0]}"' not in sources]
         if word == "tests/exercise.py" and i + 2 < len(words) and words[i + 1] in ("start", "check", "mistake"):
-            if f'id="{words[i + 2]}"' not in (REPO / "tests" / "exercises.py").read_text():
+            if not any(f'id="{words[i + 2]}"' in catalogue.read_text() for catalogue in CATALOGUE):
                 problems.append(f"no exercise {words[i + 2]}")
     return problems
 
