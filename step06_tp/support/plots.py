@@ -111,26 +111,40 @@ def measured_bubble(events, world_size: int):
     return [1 - busy for busy in busy_fractions(events, world_size, measured_steps(events))]
 
 
+def ideal_events(boxes):
+    """An ideal timeline's passes as draw_timeline's events, to draw with unit="units of one forward".
+
+    boxes: dicts of rank, kind ("F", "B" or "W"), mb, start and end (in units of one forward), and
+    optionally chunk and split, as tests/ideal.py's ideal_passes returns them. A split B is the
+    input-gradient half of a backward (step 08); a B that is not split is the whole backward.
+    """
+    kinds = {"F": "forward", "B": "backward", "W": "W"}
+    return [dict(kind="B" if b.get("split") else kinds[b["kind"]], microbatch=b["mb"], step=0, rank=b["rank"],
+                 start=float(b["start"]), end=float(b["end"]), chunk=b.get("chunk"), what=None) for b in boxes]
+
+
 def chunk_color(kind: str, chunk, chunks: int):
     """Later model chunks of a rank are drawn lighter."""
     shade = CHUNK_SHADE * (chunk or 0) / max(chunks - 1, 1)
     return [c + (1 - c) * shade for c in to_rgb(COLORS[kind])], shade
 
 
-def draw_timeline(events, step: int, ax=None, title=None):
+def draw_timeline(events, step: int, ax=None, title=None, unit="ms"):
     """One row per rank (rank 0 on top) of one step: a coloured box per event.
 
     Forward, backward and recompute boxes carry their microbatch number where it fits; when a
     rank holds several model chunks (virtual stages), they read chunk:microbatch and later chunks
-    are drawn lighter.
+    are drawn lighter. Times are seconds, drawn in ms; with any other unit (ideal_events'), they
+    are drawn as they are.
     """
     ax = ax or plt.subplots(figsize=(11, 0.45 * (1 + max(e["rank"] for e in events)) + 1))[1]
     step_events = [e for e in events if e["step"] == step]
     chunks = 1 + max((e["chunk"] or 0 for e in step_events), default=0)  # virtual stages per rank
-    span_ms = 1e3 * max(e["end"] for e in step_events)
+    scale = 1e3 if unit == "ms" else 1  # "ms" below means the drawn unit
+    span_ms = scale * max(e["end"] for e in step_events)
     char_ms = span_ms / 130  # about one character of a 7-point label on an 11-inch-wide figure
     for e in step_events:
-        start_ms, width_ms = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
+        start_ms, width_ms = e["start"] * scale, (e["end"] - e["start"]) * scale
         height = COMM_HEIGHT if e["kind"] in COMMUNICATION else COMPUTE_HEIGHT
         color, shade = chunk_color(e["kind"], e["chunk"], chunks)
         ax.broken_barh([(start_ms, width_ms)], (e["rank"] - height / 2, height),
@@ -143,9 +157,9 @@ def draw_timeline(events, step: int, ax=None, title=None):
     ranks = sorted({e["rank"] for e in step_events})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, -0.6)
-    ax.set_xlabel(f"time since the start of step {step} (ms)")
+    ax.set_xlabel(f"time since the start of step {step} (ms)" if unit == "ms" else f"time ({unit})")
     # a kind is named only if one of its boxes is wide enough to see (a quarter of a character)
-    kinds = [k for k in COLORS if any(e["kind"] == k and 1e3 * (e["end"] - e["start"]) >= char_ms / 4
+    kinds = [k for k in COLORS if any(e["kind"] == k and scale * (e["end"] - e["start"]) >= char_ms / 4
                                       for e in step_events)]
     handles = [Patch(color=COLORS[k], label=k) for k in kinds]
     if chunks > 1:
