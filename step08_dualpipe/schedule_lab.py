@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
 from support.timeline import gather_events
+from torch_schedules import GENERATORS, idle_formula, peak_formula
 from weight_grad_store import WeightGradStore
 
 COMPUTES = {"F": "forward", "B": "full backward", "I": "input-gradient backward",
@@ -305,8 +306,9 @@ def events_to_plan(events, chunks_of) -> list:
     return plan
 
 
-# The family's interface (config.family): --schedule-file runs as --schedule file.
-SCHEDULES = {"file": None}  # filled in per run: the list is the flags' (schedule_of)
+# The family's interface (config.family): --schedule-file runs as --schedule file; zbv and looped-bfs are
+# PyTorch's, as lists (torch_schedules.py).
+SCHEDULES = {"file": None, **{name: None for name in GENERATORS}}  # each runs the flags' list (schedule_of)
 
 
 def schedule_of(args):
@@ -326,12 +328,18 @@ def bubble_formula(args, times=None):
     idle = ideal_idle(args.plan, (f, b, w))
     worst = max(range(len(idle)), key=idle.__getitem__)
     total = idle[worst] + sum(costs((f, b, w))[a.kind] for a in args.plan[worst])
-    text = f"ideal timeline of the list (worst rank {worst}), F:B:W = 1:{b / f:.2f}:{w / f:.2f}, full B = B+W"
-    return text, idle[worst] / total
+    ratios = f", F:B:W = 1:{b / f:.2f}:{w / f:.2f} measured" if times else ", F:B:W = 1:1:1"
+    formula = idle_formula(args.schedule, args.pp, args.microbatches, f, b, w)
+    if formula:  # torch's schedule, where its closed form holds: the same number, named
+        text = f"idle {formula[0]} beside 2m(F+B+W)" + (ratios if times else "")  # Looped BFS: no W to measure
+        return text, formula[1] / (formula[1] + total - idle[worst])
+    return f"ideal timeline of the list (worst rank {worst}){ratios}, full B = B+W", idle[worst] / total
 
 
 def peak_stored_microbatches(args, stage: int):
     """(text, value): the most (stage, microbatch) pairs the rank's actions hold at once (peak_stored)."""
+    if args.schedule in GENERATORS and peak_formula(args.schedule, args.pp, args.microbatches):
+        return peak_formula(args.schedule, args.pp, args.microbatches)
     return "the list's peak (F until B or W)", peak_stored(args.plan[stage])
 
 
@@ -356,12 +364,12 @@ def check_flags(args, cuda_available: bool):
     if (args.schedule == "file") != bool(args.schedule_file):
         raise ValueError(f"--schedule {args.schedule} does not fit --schedule-file {args.schedule_file}: "
                          "a list runs as --schedule file (the default with --schedule-file)")
-    if not args.schedule_file:
+    if args.schedule in GENERATORS:
+        args.plan = [[Action(*a) for a in row] for row in GENERATORS[args.schedule](args.pp, args.microbatches)]
+    elif not args.schedule_file:
         return
-    try:
-        args.plan = read_schedule(args.schedule_file)
-    except OSError as err:
-        raise ValueError(f"--schedule-file {args.schedule_file} cannot be read: {err.strerror}") from None
+    else:
+        args.plan = read_list(args.schedule_file)
     problems = layout_problems(args.plan, args.pp, args.microbatches) or order_problems(args.plan, args.microbatches)
     if problems:
         more = f" (and {len(problems) - 1} more: python tests/lab.py lists them)" if len(problems) > 1 else ""
@@ -369,7 +377,16 @@ def check_flags(args, cuda_available: bool):
     lower(args.plan)  # a deadlock is refused here, naming where each rank waits
     args.virtual_stages = len(stages_of(args.plan, 0))
     if args.scatter_gather:
-        raise ValueError("--scatter-gather does not fit --schedule-file: its transfers carry whole tensors")
+        raise ValueError(f"--scatter-gather does not fit --schedule {args.schedule}: a list's transfers carry whole "
+                         "tensors")
+
+
+def read_list(path: str):
+    """--schedule-file's list, or a ValueError of one line."""
+    try:
+        return read_schedule(path)
+    except OSError as err:
+        raise ValueError(f"--schedule-file {path} cannot be read: {err.strerror}") from None
 
 
 def dump_schedule(run, chunks_of):

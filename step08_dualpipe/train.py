@@ -27,6 +27,7 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   config.py, data.py    the flags and their rules; a batch from (seed, step)
   pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
   schedule_lab.py       another side road: any schedule as a list of actions (--schedule-file, --dump-schedule)
+  torch_schedules.py    PyTorch's ZB-V and Looped BFS as such lists (--schedule zbv, --schedule looped-bfs)
 """
 import time
 from dataclasses import dataclass

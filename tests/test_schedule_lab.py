@@ -150,9 +150,15 @@ def test_invalid_and_deadlocking_lists_fail_naming_rank_and_action(tmp_path, row
 
 
 @pytest.fixture(scope="module")
-def generators():
-    import lab_schedules
-    return lab_schedules
+def generators(lab):
+    """The step's torch_schedules module (the lab fixture put its folder first on the path)."""
+    import torch_schedules
+    return torch_schedules
+
+
+def write(lab, path, plan):
+    """A list of (stage, kind, mb) per rank, as a CSV file."""
+    lab.write_schedule(str(path), [[lab.Action(*a) for a in row] for row in plan])
 
 
 def torch_order(kind, pp, m):
@@ -181,42 +187,45 @@ def test_generators_build_torch_order(generators, kind):
     assert generators.GENERATORS[other](4, 8) != torch_order(kind, 4, 8)
 
 
-TIMES = [(1, 1, 1), (1, Fraction(6, 5), Fraction(3, 5)), (1, 1, Fraction(1, 2))]  # F <= B, W <= B
+GRID = [Fraction(k, 4) for k in (1, 3, 4, 7, 10)]  # F, B, W: B > 2W, B = 2W, B < 2W, F > B and W > B all occur
 
 
 @pytest.mark.parametrize("kind", ["zbv", "looped-bfs"])
 def test_generators_idle_and_peak_as_their_formulas(lab, generators, kind):
-    """The exact ideal timeline (schedule_lab.ideal_idle, pass times of one stage) for p 2..5: ZB-V with
-    m >= 2p idles (p-1)B on every rank and stores 2p (stage, microbatch) pairs (p whole microbatches,
-    1F1B's first stage); Looped BFS with m >= p idles (p-1)(F+B+W), GPipe's, and stores all 2m.
-    Control: each formula fails on the other schedule's lists."""
-    formulas = {"zbv": (lambda pp, m, f, b, w: (pp - 1) * b, lambda pp, m: 2 * pp),
-                "looped-bfs": (lambda pp, m, f, b, w: (pp - 1) * (f + b + w), lambda pp, m: 2 * m)}
-    idle_of, peak_of = formulas[kind]
+    """torch_schedules' formulas against the exact ideal timeline (schedule_lab.ideal_idle, pass times of one
+    stage), for p 2..5, m on each side of each formula's rule, and F, B, W on a grid, wherever a formula claims to hold:
+    ZB-V (m >= 2p-1, F <= B, W <= B) idles (p-1) max(B, 2(B-W)) on every rank and stores 2p (stage,
+    microbatch) pairs; Looped BFS (m >= p) idles (p-1)(F+B+W) and stores 2m. Controls: the idle that
+    ZB-V's formula gives fails on Looped BFS's lists, and (p-1)B alone fails ZB-V where B > 2W."""
     other = {"zbv": "looped-bfs", "looped-bfs": "zbv"}[kind]
-    control_caught = False
+    checked, control_caught, b_alone_caught = 0, False, False
     for pp in range(2, 6):
-        for m in (2 * pp, 2 * pp + 3):
+        for m in sorted({1, pp - 1, pp, 2 * pp - 2, 2 * pp - 1, 2 * pp, 3 * pp + 1} - {0}):  # each side of each rule
             plan, wrong = ([[lab.Action(*a) for a in row] for row in generators.GENERATORS[k](pp, m)]
                            for k in (kind, other))
-            for times in TIMES:
-                assert lab.ideal_idle(plan, times) == [idle_of(pp, m, *times)] * pp, (pp, m, times)
-                control_caught |= lab.ideal_idle(wrong, times) != [idle_of(pp, m, *times)] * pp
-            assert [lab.peak_stored(row) for row in plan] == [peak_of(pp, m)] * pp, (pp, m)
-    assert control_caught
+            peak = generators.peak_formula(kind, pp, m)
+            if peak:
+                assert [lab.peak_stored(row) for row in plan] == [peak[1]] * pp, (pp, m)
+            for times in ((f, b, w) for f in GRID for b in GRID for w in GRID):
+                formula = generators.idle_formula(kind, pp, m, *times)
+                if formula is None:
+                    continue
+                checked += 1
+                assert lab.ideal_idle(plan, times) == [formula[1]] * pp, (pp, m, times)
+                control_caught |= lab.ideal_idle(wrong, times) != [formula[1]] * pp
+                b_alone_caught |= kind == "zbv" and lab.ideal_idle(plan, times) != [(pp - 1) * times[1]] * pp
+    assert checked > 500 and control_caught and (b_alone_caught or kind != "zbv")
 
 
-@pytest.mark.parametrize("torch_class, kind", [("ScheduleZBVZeroBubble", "zbv"), ("ScheduleLoopedBFS", "looped-bfs")])
-def test_generated_lists_train_bitwise_as_torch(step_dirs, generators, tmp_path, torch_class, kind):
-    """Each generated list, run by step 08's runtime (--schedule-file), gives bitwise the gradients of torch's
-    own schedule class on the same model, weights and batch (tests/torch_pp.py); control: torch on the next
-    batch must differ (ZB-V)."""
-    path = tmp_path / f"{torch_class}.csv"
-    generators.write(path, generators.GENERATORS[kind](2, 8))
+@pytest.mark.parametrize("kind", ["zbv", "looped-bfs"])
+def test_generated_lists_train_bitwise_as_torch(step_dirs, tmp_path, kind):
+    """--schedule zbv and --schedule looped-bfs, run by step 08's runtime, give bitwise the gradients of torch's
+    own ScheduleZBVZeroBubble and ScheduleLoopedBFS on the same model, weights and batch (tests/torch_pp.py);
+    control: torch on the next batch must differ (ZB-V)."""
     modes = ["grads", "control"] if kind == "zbv" else ["grads"]
     for mode in modes:
         out = tmp_path / f"{mode}.json"
-        flags = ["--device", "cpu", "--schedule-file", str(path), "--microbatches", "8", "--batch-size", "16",
+        flags = ["--device", "cpu", "--schedule", kind, "--microbatches", "8", "--batch-size", "16",
                  "--layers", "8", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--timeout", "60"]
         launch([sys.executable, str(REPO / "tests" / "torch_pp.py"), str(step_dirs[STEP]), mode, str(out), *flags],
                2, tmp_path / mode, timeout=120)
@@ -251,11 +260,11 @@ def one_at_a_time(pp, m):
      lambda: one_f_one_b_plan(4, 8, lambda s: 4 - s - 1), 8),
     ("interleaved-m6", lambda: torch_order("interleaved", 4, 6), lambda: one_at_a_time(4, 6), 6),
 ])
-def test_challenges_are_graded(generators, tmp_path, name, meets, misses, m):
+def test_challenges_are_graded(lab, tmp_path, name, meets, misses, m):
     """Each challenge passes a list that meets it and fails one that does not (1F1B itself, for the first two)."""
     for plan, expected in ((meets(), 0), (misses(), 1)):
         path = tmp_path / f"{expected}.csv"
-        generators.write(path, plan)
+        write(lab, path, plan)
         done = run_lab(path, "--pp", "4", "--microbatches", str(m), "--no-run", "--challenge", name)
         assert done.returncode == expected and f"challenge {name}" in done.stdout, done.stdout + done.stderr
 

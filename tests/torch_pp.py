@@ -10,8 +10,9 @@ PipelineStages and the matching schedule:
     afab -> ScheduleGPipe,  1f1b -> Schedule1F1B,  interleaved -> ScheduleInterleaved1F1B,
     zb1p (step 08) -> ScheduleInterleavedZeroBubble (torch's ZB1P, here with one stage per rank)
     dualpipev (step 08) -> ScheduleDualPipeV (rank r holds stages r and 2p-1-r)
+    zbv, looped-bfs (step 08, torch_schedules.py's lists) -> ScheduleZBVZeroBubble, ScheduleLoopedBFS
     --schedule-file PATH (step 08, a list of actions) -> torch's schedule class named by the file's
-        stem, e.g. ScheduleZBVZeroBubble.csv (tests/lab_schedules.py writes such lists)
+        stem, e.g. ScheduleInterleaved1F1B.csv
 
 grads: one step of each; rank 0 writes, per schedule, whether every gradient is
 bitwise equal (and the largest difference). Our last stage seeds its backward with
@@ -35,11 +36,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                          ScheduleZBVZeroBubble)
 
 TORCH_SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                    "zb1p": ScheduleInterleavedZeroBubble,  # torch's ZB1P, one stage per rank here
-                   "dualpipev": ScheduleDualPipeV}
+                   "dualpipev": ScheduleDualPipeV, "zbv": ScheduleZBVZeroBubble, "looped-bfs": ScheduleLoopedBFS}
 
 
 @contextmanager
@@ -77,7 +79,7 @@ def torch_pipeline(train, model, run):
     stages = [PipelineStage(chunk, g, n_chunks, run.device, group=pgm.pp_group) for chunk, g in zip(chunks, ids)]
     listed = getattr(args, "schedule_file", None)  # step 08: a list, compared with the class its file is named after
     kind = getattr(schedules, os.path.basename(listed).split(".")[0]) if listed else TORCH_SCHEDULES[args.schedule]
-    several = args.schedule in ("interleaved", "zb1p", "dualpipev", "file")  # the schedules that take a list of stages
+    several = args.schedule in ("interleaved", "zb1p", "dualpipev", "file", "zbv", "looped-bfs")  # a list of stages
     schedule = kind(stages if several else stages[0], args.microbatches, loss_fn=model.lm_loss)
     params = [p for chunk in chunks for p in chunk.parameters()]
     return chunks, schedule, torch.optim.AdamW(params, lr=args.lr)
