@@ -20,7 +20,7 @@ TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (2.0, 1.5, 0.5), (1.0, 3.0, 0.5), (1.
          (1.0, 3.0, 4.0)]  # (F, B, W) for step 08's split schedules: each of DualPipe's six chains is longest in one
 TIMES_SEQUENTIAL = [(1.0, 1.0, 1.0), (1.0, 1.1, 0.1), (1.0, 1.1, 1.2), (1.0, 1.6, 1.75), (1.0, 1.6, 0.1), (1.0, 0.1, 1.0),
                     (1.0, 0.6, 0.5), (1.0, 0.1, 0.5), (1.0, 0.3, 0.25), (1.0, 0.2, 0.1), (1.0, 0.1, 0.2)]  # --pairs sequential
-SPLIT = ("zb1p", "dualpipe", "dualpipev")
+SPLIT = ("zb1p", "dualpipe", "dualpipev", "zbv")
 PIPEDREAM_FLAGS = [[], ["--vertical-sync"], ["--no-weight-stashing"], ["--steps", "1"], ["--steps", "3"]]
 
 
@@ -64,11 +64,13 @@ def main(step_dir):
         for times in (TIMES_SEQUENTIAL if sequential else TIMES) if name in SPLIT else [None]:  # they take F, B, W
             text, value = family.bubble_formula(args, *[times] if times else [])
             expected = formulas.bubble(name, pp, m, v, times or (1, 1, 1), sequential)
+            if expected is None:  # PyTorch's schedules outside their formula's rule: the list's own timeline
+                continue
             if abs(value - expected) > 1e-12:
                 problems.append(f"{name} pp={pp} m={m} v={v}: bubble {text} = {value}, expected {expected}")
         for stage in range(pp) if hasattr(module, "peak_stored_microbatches") else []:
             text, value = family.peak_stored_microbatches(args, stage)
-            if value != formulas.peak_stored(name, pp, stage, m, v):
+            if formulas.peak_stored(name, pp, stage, m, v) not in (None, value):
                 problems.append(f"{name} pp={pp} m={m} v={v} stage {stage}: peak stored {text} = {value}, "
                                 f"expected {formulas.peak_stored(name, pp, stage, m, v)}")
     print(json.dumps(dict(configurations=count, problems=problems[:50])))

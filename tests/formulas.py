@@ -10,7 +10,14 @@ def bubble(schedule: str, pp: int, m: int, virtual: int = 1, times=None, sequent
     naive: one slot (the whole batch); GPipe, AFAB and 1F1B: m slots; interleaved: v*m slots.
     zb1p: the idle time (p-1)(F+B-W) beside the work m(F+B+W), with times = (F, B, W); DualPipe and
     DualPipeV: two_way_idle (two_way_sequential_idle with sequential_pairs) beside the rank's passes.
+    PyTorch's Looped BFS (m >= p) and ZB-V (m >= 2p-1, F <= B, W <= B), two stages per rank of times (F, B, W):
+    (p-1)(F+B+W) and (p-1)max(B, 2(B-W)) beside 2m(F+B+W); None where they make no claim.
     """
+    if schedule in ("looped-bfs", "zbv"):
+        f, b, w = times
+        holds = m >= pp if schedule == "looped-bfs" else m >= 2 * pp - 1 and f <= b and w <= b
+        idle = (pp - 1) * ((f + b + w) if schedule == "looped-bfs" else max(b, 2 * (b - w)))
+        return idle / (2 * m * (f + b + w) + idle) if holds else None
     if schedule == "zb1p":
         idle = zb1p_idle(pp, *times)
         return idle / (m * sum(times) + idle)
@@ -59,6 +66,8 @@ def peak_stored(schedule: str, pp: int, stage: int, m: int, virtual: int = 1) ->
     """(Virtual) microbatches whose activations a stage holds at once: the warm-up, plus the steady state's one."""
     if schedule == "zb1p":  # 1F1B's p - stage, and the stage's W's wait for `stage` more microbatches
         return min(pp, m)
+    if schedule in ("looped-bfs", "zbv"):  # (stage, microbatch) pairs: BFS holds every forward; ZB-V its warm-up's
+        return 2 * m if schedule == "looped-bfs" else 2 * pp if m >= 2 * pp - 1 else None
     if schedule in ("dualpipe", "dualpipev"):
         return two_way_peak(two_way_stages(schedule, pp))
     return m if schedule in ("gpipe", "afab") else min(warmup(schedule, pp, stage, m, virtual) + 1, m * virtual)
