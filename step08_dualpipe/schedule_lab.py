@@ -353,9 +353,8 @@ def add_flags(group):
 
 
 def check_flags(args, cuda_available: bool):
-    """The lab's rules, refused before any work with a ValueError of one line (config.py): the list is read
-    (--schedule-file) or built (zbv, looped-bfs), checked against --pp and --microbatches, and sets
-    --virtual-stages."""
+    """The lab's rules, refused before any work with a ValueError of one line (config.py): the list is read or
+    built (--schedule-file; zbv, looped-bfs), checked against --pp and --microbatches; sets --virtual-stages."""
     if args.dump_schedule and (args.dp > 1 or args.tp > 1):
         raise ValueError(f"--dump-schedule needs --dp 1 --tp 1 (here --dp {args.dp} --tp {args.tp}): "
                          "its rows are the pipeline's ranks")
