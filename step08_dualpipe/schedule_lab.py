@@ -322,8 +322,8 @@ def model_chunks(args, stage: int):
 
 
 def bubble_formula(args, times=None):
-    """(text, value): the idle fraction of the list's ideal timeline (ideal_idle) on its worst rank, at the
-    mean F, B (the I pass) and W measured in this run (equal if None); a full B takes B + W."""
+    """(text, value): the list's ideal idle fraction (ideal_idle) on its worst rank, named by torch_schedules'
+    formula where one holds; at the run's mean F, B (the I pass), W (equal if None); a full B is B + W."""
     f, b, w = times or (1, 1, 1)
     idle = ideal_idle(args.plan, (f, b, w))
     worst = max(range(len(idle)), key=idle.__getitem__)

@@ -56,8 +56,8 @@ def test_global_norm_counts_every_number_once_and_clips(step, step_dirs, tmp_pat
     for name in sorted({n for f in found for n in f["splits"]}):  # first: a double count names its parameter
         ranks = [rank for rank, f in enumerate(found) if name in f["counted"]]
         split = next(f["splits"][name] for f in found if name in f["splits"])
-        rule = "split over TP: each TP rank counts its slice, and a tied copy is not counted" if split is not None else \
-            "replicated over TP: only TP rank 0 counts it"
+        rule = ("split over TP: each TP rank counts its slice, and a tied copy is not counted" if split is not None
+                else "replicated over TP: only TP rank 0 counts it")
         assert len(ranks) == (2 if split is not None else 1), f"{name} is counted on ranks {ranks}; it is {rule}"
     for rank, f in enumerate(found):
         assert abs(f["norm"] - reference) <= 1e-6 * reference, \

@@ -195,8 +195,8 @@ def test_generators_idle_and_peak_as_their_formulas(lab, generators, kind):
     """torch_schedules' formulas against the exact ideal timeline (schedule_lab.ideal_idle, pass times of one
     stage), for p 2..5, m on each side of each formula's rule, and F, B, W on a grid, wherever a formula claims to hold:
     ZB-V (m >= 2p-1, F <= B, W <= B) idles (p-1) max(B, 2(B-W)) on every rank and stores 2p (stage,
-    microbatch) pairs; Looped BFS (m >= p) idles (p-1)(F+B+W) and stores 2m. Controls: the idle that
-    ZB-V's formula gives fails on Looped BFS's lists, and (p-1)B alone fails ZB-V where B > 2W."""
+    microbatch) pairs; Looped BFS (m >= p) idles (p-1)(F+B+W) and stores 2m. Controls: each idle formula
+    fails on the other schedule's lists, and (p-1)B alone fails ZB-V where B > 2W."""
     other = {"zbv": "looped-bfs", "looped-bfs": "zbv"}[kind]
     checked, control_caught, b_alone_caught = 0, False, False
     for pp in range(2, 6):
