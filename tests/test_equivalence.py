@@ -26,23 +26,23 @@ def case(step: str, world: int, *flags: str):
 CASES = [
     *[case("step01_naive", pp, "--pp", str(pp), "--layers", str(layers))
       for pp, layers in [(1, 4), (2, 4), (4, 4), (2, 5), (4, 6)]],
-    *[case("step02_gpipe", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), *recompute)
-      for pp in (2, 4) for m in (1, 2, 4, 8) for recompute in ([], ["--recompute"])],
+    # Every (pp, m); --recompute on every other one, so that each pp meets it with small m and large.
+    *[case("step02_gpipe", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m),
+           *(["--recompute"] if (pp // 2 + k) % 2 else [])) for pp in (2, 4) for k, m in enumerate((1, 2, 4, 8))],
     *[case("step03_afab", pp * dp, "--pp", str(pp), "--dp", str(dp), "--layers", "4", "--microbatches", str(m))
       for pp, dp in [(2, 1), (4, 1), (2, 2), (1, 2)] for m in (1, 4)],
     case("step03_afab", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", "2", "--recompute"),
-    # Every (pp, m) with both orderings; --deallocate goes with one or the other, alternating, so that every
-    # pair of (ordering, deallocation) is met too.
-    *[case("step04_1f1b", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m), "--p2p", p2p,
-           *(["--deallocate"] if (p2p == "ordered") == ((pp + m) % 2 == 0) else []))
-      for pp in (2, 3, 4) for m in (1, 2, 4, 8) for p2p in ("batched", "ordered")],
+    # Every (pp, m), each with one ordering and --deallocate on or off. At each pp the four m's meet the four
+    # pairs of (ordering, deallocation), rotated with pp so that each pair meets a small m and a large one.
+    *[case("step04_1f1b", pp, "--pp", str(pp), "--layers", "5", "--microbatches", str(m),
+           "--p2p", ("batched", "ordered")[(k + pp) % 2], *(["--deallocate"] if (k + pp) // 2 % 2 else []))
+      for pp in (2, 3, 4) for k, m in enumerate((1, 2, 4, 8))],
     *[case("step04_1f1b", 4, "--pp", "2", "--dp", "2", "--layers", "4", "--microbatches", str(m), *extra)
       for m, extra in [(2, []), (4, ["--p2p", "ordered", "--deallocate"]), (4, ["--schedule", "afab"]),
                        (2, ["--recompute"])]],
     *[case("step05_interleaved", pp, "--pp", str(pp), "--virtual-stages", str(v), "--layers", str(layers),
            "--microbatches", str(m), *extra)
-      for pp, v, layers in [(2, 2, 5), (4, 2, 9), (2, 3, 7)] for m in (pp, 2 * pp)
-      for extra in ([], ["--deallocate"])],
+      for pp, v, layers in [(2, 2, 5), (4, 2, 9), (2, 3, 7)] for m, extra in [(pp, []), (2 * pp, ["--deallocate"])]],
     *[case("step05_interleaved", 4, "--pp", "2", "--dp", "2", "--virtual-stages", "2", "--layers", "4",
            "--microbatches", str(m), *extra) for m, extra in [(2, []), (4, ["--recompute"])]],
     case("step05_interleaved", 4, "--pp", "4", "--layers", "5", "--microbatches", "4", "--virtual-stages", "1"),
