@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 
 def record_grads(train, step_k: int, path: Path):
@@ -47,10 +46,9 @@ def record_grads(train, step_k: int, path: Path):
     return real
 
 
-def without_optimizer():
-    """The control: saves and loads that leave out the optimizer state, as if a checkpoint had none (DCP's own
-    functions replaced: checkpoint.py looks them up when it saves or loads)."""
-    real_save, real_load = dcp.save, dcp.load
+def without_optimizer(checkpoint):
+    """The control: saves and loads that leave out the optimizer state, as if a checkpoint had none."""
+    real_save, real_load = checkpoint.dcp.save, checkpoint.dcp.load
 
     def strip(state):
         return {k: v for k, v in state.items() if k != "optimizer"}
@@ -60,8 +58,8 @@ def without_optimizer():
         real_load(part, **kw)
         state.update(part)
 
-    dcp.save = lambda state, **kw: real_save(strip(state), **kw)
-    dcp.load = load
+    checkpoint.dcp.save = lambda state, **kw: real_save(strip(state), **kw)
+    checkpoint.dcp.load = load
     return real_save, real_load
 
 
@@ -100,7 +98,7 @@ def full_in_save(k: int):
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
-    from support import distributed
+    from support import checkpoint, distributed
     import torch.distributed as dist
     import train
 
@@ -116,7 +114,7 @@ def main(step_dir: str, out_dir: str, cases_json: str):
             os.makedirs(case["grads"][1], exist_ok=True)
         real_grads = record_grads(train, case["grads"][0], Path(case["grads"][1]) / f"rank{rank}.pt") \
             if "grads" in case else None
-        real_io = without_optimizer() if case.get("no_optimizer") else None
+        real_io = without_optimizer(checkpoint) if case.get("no_optimizer") else None
         if "die_saving" in case:
             die_in_save(case["die_saving"])
         if "full_saving" in case:
@@ -125,7 +123,7 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         if real_grads:
             train.compute_gradients = real_grads
         if real_io:
-            dcp.save, dcp.load = real_io
+            checkpoint.dcp.save, checkpoint.dcp.load = real_io
         dist.barrier()  # rank 0 has renamed the last checkpoint before the next case reads it
     (out / f"rank{rank}.status").write_text("done")
     distributed.shutdown()

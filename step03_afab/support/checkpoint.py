@@ -46,8 +46,8 @@ import zlib
 
 import torch
 import torch.distributed as dist
-# torch.distributed.checkpoint and torch.distributed.tensor are imported inside the functions that save or
-# load: importing them takes about a second on every rank, and most runs neither save nor resume.
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from support.distributed import progress
 from model import ModelConfig
@@ -135,8 +135,7 @@ def choose(path: str):
 
 def cause(err: BaseException) -> str:
     """The first sentence of the error underneath: of the first rank's failure, for DCP's CheckpointException."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
-    if isinstance(err, dcp.CheckpointException):
+    if isinstance(err, CheckpointException):
         err = next(iter(err.failures.values()))[0]
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0].split('. ')[0] if text else ''}"
@@ -150,7 +149,6 @@ def facts(args, step: int) -> dict:
 def read_facts(path: str) -> dict:
     """A checkpoint's facts, read by one process before any process group exists (config.py); a ValueError
     naming the file and DCP's message when they cannot be read."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
     state = {"run": ""}
     try:
         meta = dcp.FileSystemReader(path).read_metadata()
@@ -161,7 +159,7 @@ def read_facts(path: str) -> dict:
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=path, no_dist=True)
         return json.loads(state["run"])
-    except (Exception, dcp.CheckpointException) as err:
+    except (Exception, CheckpointException) as err:
         where = [info.relative_path for index, info in meta.storage_data.items() if index.fqn == "run"]
         raise ValueError(f"--resume {os.path.join(path, *where[:1])} cannot be read: {cause(err)}") from None
 
@@ -251,14 +249,13 @@ def due(args, step: int) -> bool:
 def save(run, step: int):
     """Write the checkpoint of `step` (optimizer steps done) into --save, every rank its own entries, then mark
     it complete and keep the newest --keep (all ranks call it). A save that fails stops every rank, one line."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
     root, start = run.args.save, time.perf_counter()
     final = folder_of(root, step)
     try:
         on_rank_0(lambda: clear(root, final))  # the .tmp folder is empty before anyone writes into it
         dcp.save(state_of(run, step), checkpoint_id=final + ".tmp")  # back when all have written
         size = on_rank_0(lambda: finish(final, run.args.keep))
-    except (OSError, dcp.CheckpointException) as err:
+    except (OSError, CheckpointException) as err:
         stop(f"error: the checkpoint of step {step} cannot be saved into {root}: {cause(err)}. The run stops: "
              "going on, it could keep nothing it computes; the last checkpoint is "
              f"{progress['checkpoint'] or 'none'}", code=1)
@@ -322,11 +319,10 @@ def stop(line: str, code: int):
 
 def load(run, path: str) -> int:
     """Load the checkpoint at path into this rank's parameters and optimizer; returns its step."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
     state = state_of(run, 0)
     try:
         dcp.load(state, checkpoint_id=path)  # reads this rank's entries, whichever ranks wrote them
-    except (OSError, ValueError, AssertionError, dcp.CheckpointException) as err:  # every rank gets DCP's verdict
+    except (OSError, ValueError, AssertionError, CheckpointException) as err:  # every rank gets DCP's verdict
         stop(f"error: --resume {path} cannot be loaded: {cause(err)}", code=2)
     progress.update(step=json.loads(state["run"])["step"], checkpoint=path)
     for name, _, stepped in entries(run):

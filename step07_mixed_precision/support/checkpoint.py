@@ -58,8 +58,10 @@ import zlib
 
 import torch
 import torch.distributed as dist
-# torch.distributed.checkpoint and torch.distributed.tensor are imported inside the functions that save or
-# load: importing them takes about a second on every rank, and most runs neither save nor resume.
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from support.distributed import progress
 from model import ModelConfig
@@ -147,8 +149,7 @@ def choose(path: str):
 
 def cause(err: BaseException) -> str:
     """The first sentence of the error underneath: of the first rank's failure, for DCP's CheckpointException."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
-    if isinstance(err, dcp.CheckpointException):
+    if isinstance(err, CheckpointException):
         err = next(iter(err.failures.values()))[0]
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0].split('. ')[0] if text else ''}"
@@ -163,7 +164,6 @@ def facts(args, step: int) -> dict:
 def read_facts(path: str) -> dict:
     """A checkpoint's facts, read by one process before any process group exists (config.py); a ValueError
     naming the file and DCP's message when they cannot be read."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
     state = {"run": ""}
     try:
         meta = dcp.FileSystemReader(path).read_metadata()
@@ -174,7 +174,7 @@ def read_facts(path: str) -> dict:
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=path, no_dist=True)
         return json.loads(state["run"])
-    except (Exception, dcp.CheckpointException) as err:
+    except (Exception, CheckpointException) as err:
         where = [info.relative_path for index, info in meta.storage_data.items() if index.fqn == "run"]
         raise ValueError(f"--resume {os.path.join(path, *where[:1])} cannot be read: {cause(err)}") from None
 
@@ -254,7 +254,6 @@ def entries(run):
 def state_of(run, step: int, copies=True) -> dict:
     """This rank's part of the checkpoint, as DCP saves it and loads into it (in place): TP shards as
     DTensors; without `copies`, no entry of a `shared` copy (save writes the original only)."""
-    from torch.distributed.device_mesh import DeviceMesh  # here, not at the top: see the note there
     items = [(name, p, stepped) for name, p, stepped in entries(run) if copies or not getattr(p, "shared", False)]
     mesh = DeviceMesh.from_group(run.pgm.tp_group, run.device.type) if run.pgm.tp > 1 else None
     return {"model": {name: sharded(stepped.detach(), p, mesh) for name, p, stepped in items},
@@ -272,7 +271,6 @@ def scaler_state(run):
 def sharded(tensor, param, mesh):
     """A TP rank's slice of param (or of its AdamW moment) as a DTensor, Shard(tp_split_dim) of the TP group;
     a tensor that is whole on every TP rank (a norm gain, AdamW's step count) as it is."""
-    from torch.distributed.tensor import DTensor, Shard  # here, not at the top: see the note there
     dim = getattr(param, "tp_split_dim", None)
     if mesh is None or dim is None or tensor.dim() == 0:
         return tensor
@@ -287,14 +285,13 @@ def due(args, step: int) -> bool:
 def save(run, step: int):
     """Write the checkpoint of `step` (optimizer steps done) into --save, every rank its own entries, then mark
     it complete and keep the newest --keep (all ranks call it). A save that fails stops every rank, one line."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
     root, start = run.args.save, time.perf_counter()
     final = folder_of(root, step)
     try:
         on_rank_0(lambda: clear(root, final))  # the .tmp folder is empty before anyone writes into it
         dcp.save(state_of(run, step, copies=False), checkpoint_id=final + ".tmp")  # back when all have written
         size = on_rank_0(lambda: finish(final, run.args.keep))
-    except (OSError, dcp.CheckpointException) as err:
+    except (OSError, CheckpointException) as err:
         stop(f"error: the checkpoint of step {step} cannot be saved into {root}: {cause(err)}. The run stops: "
              "going on, it could keep nothing it computes; the last checkpoint is "
              f"{progress['checkpoint'] or 'none'}", code=1)
@@ -358,12 +355,10 @@ def stop(line: str, code: int):
 
 def load(run, path: str) -> int:
     """Load the checkpoint at path into this rank's parameters and optimizer; returns its step."""
-    from torch.distributed.tensor import DTensor  # here, not at the top: see the note there
-    import torch.distributed.checkpoint as dcp  # here, not at the top: see the note there
     state = state_of(run, 0)
     try:
         dcp.load(state, checkpoint_id=path)  # reads this rank's entries, whichever ranks wrote them
-    except (OSError, ValueError, AssertionError, dcp.CheckpointException) as err:  # every rank gets DCP's verdict
+    except (OSError, ValueError, AssertionError, CheckpointException) as err:  # every rank gets DCP's verdict
         stop(f"error: --resume {path} cannot be loaded: {cause(err)}", code=2)
     progress.update(step=json.loads(state["run"])["step"], checkpoint=path)
     for name, p, stepped in entries(run):
