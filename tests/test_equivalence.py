@@ -94,6 +94,15 @@ CASES = [
     case("step08_dualpipe", 4, "--tp", "2", "--pp", "2", "--layers", "4", "--microbatches", "4",
          "--schedule", "dualpipev"),
 ]
+# The exercises' equivalence checks (tests/exercises.py) that the cases above do not make already: with them, this
+# suite runs every such check on the course's own code (test_exercises.py holds the exercises to that).
+CASES += [
+    case("step02_gpipe", 2, "--pp", "2", "--layers", "5", "--microbatches", "4"),
+    case("step04_1f1b", 2, "--pp", "2", "--layers", "5", "--microbatches", "4", "--p2p", "ordered"),
+    case("step04_1f1b", 2, "--pp", "2", "--layers", "5", "--microbatches", "4", "--deallocate"),
+    case("step08_dualpipe", 2, "--pp", "2", "--layers", "5", "--microbatches", "4", "--batch-size", "4",
+         "--schedule", "zb1p"),
+]
 # PipeDream (step 04 on) against check_equivalence.reference_pipedream, which updates as PipeDream does: bitwise.
 PIPEDREAM = ["--layers", "4", "--microbatches", "2", "--steps", "3"]
 CASES += [

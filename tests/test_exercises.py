@@ -4,8 +4,8 @@ For every exercise: its stubbed copy fails its first check with the stub's messa
 wrong answer of the catalogue (the incomplete ones too), applied to the course's own code as a small edit,
 fails within 30 s, and the diagnosis names the right thing (its key words) with the hint that fits; each
 other right answer of the catalogue passes every check; the course's own code passes every check
-(each distinct replay and equivalence run once per step; the pytest checks are tests of this suite, which
-runs them on the course's code: here they must exist).
+(each distinct replay once per step; the equivalence and pytest checks are tests of this suite, which runs
+them on the course's code: here they must exist).
 
 The default run (about a minute) proves the catalogue's shape, the bad-input lines, the hints' levels, the
 learner's notebook without the answer, a diagnosis under FORCE_COLOR, the replay's report, the exercises
@@ -236,7 +236,11 @@ def test_other_right_answers_pass(step, tmp_path, request):
             path = folder / right[1]
             path.write_text(exercise.wrong_answer(entry, right, path.read_text()))
             made.append(f"{entry['id']}: {right[0]}")
-    for check, entry in step_checks(step):
+    checks = [(check, entry) for check, entry in step_checks(step) if check[0] != "pytest"]
+    nodes = [node for check, _ in step_checks(step) if check[0] == "pytest" for node in check[1:]]
+    if nodes:  # one pytest run for all of them: each must pass, and pytest's start-up is paid once
+        checks.append((("pytest", *dict.fromkeys(nodes)), next(e for e in EXERCISES if e["step"] == step)))
+    for check, entry in checks:
         passed, lines = exercise.run_check(check, entry, folder)
         assert passed, f"{step} with {made} fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
 
@@ -316,12 +320,21 @@ def assert_course_code_passes(step, kind):
 
 @pytest.mark.exercise_proofs
 @pytest.mark.parametrize("step", STEPS)
-def test_course_code_passes_its_replays_and_equivalence_runs(step, request):
-    """The solution is the course's own code: every replay and equivalence run of the step's exercises passes
-    on its folder."""
+def test_course_code_passes_its_replays(step, request):
+    """The solution is the course's own code: every replay of the step's exercises passes on its folder."""
     proofs_asked(request)
     assert_course_code_passes(step, "replay")
-    assert_course_code_passes(step, "equivalence")
+
+
+def test_every_equivalence_check_is_a_case_of_the_suite():
+    """The course's own code passes the exercises' equivalence checks: each is a case of test_equivalence.py, on
+    the same ranks with the same flags, which this suite runs on the course's folders."""
+    from test_equivalence import CASES, TINY
+
+    cases = {(p.values[0], p.values[1], tuple(p.values[2])) for p in CASES}
+    missing = [(entry["id"], check[1], check[2]) for entry in EXERCISES for check in entry["checks"]
+               if check[0] == "equivalence" and (entry["step"], check[1], (*TINY, *check[2])) not in cases]
+    assert not missing, f"equivalence checks that no case of test_equivalence.py makes: {missing}"
 
 
 def test_every_pytest_check_names_a_test_of_the_suite():

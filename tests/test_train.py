@@ -3,6 +3,7 @@
 
 The training runs start their ranks with the environment torchrun gives them (harness.launch);
 test_under_torchrun_rank_0_alone_speaks runs torchrun itself."""
+import ast
 import json
 import os
 import re
@@ -285,18 +286,48 @@ def test_bad_configuration_fails_fast_with_a_clear_line(step, world, flags, expe
         assert text in message, f"{text!r} not in {message!r}"
 
 
-@pytest.mark.parametrize("step", STEPS)
+def help_problem(step, helped) -> str:
+    """What is wrong with a --help's output: it must show the defaults and open with the step's description."""
+    if "(default: 0.003)" not in " ".join(helped.stdout.split()):
+        return "--help does not show the defaults"
+    return "" if f"Step {step[4:6]} - " in helped.stdout else "--help does not open with the step's own description"
+
+
+@pytest.mark.parametrize("step", [STEPS[0], STEPS[-1]])
 def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
-    """A broken rule and --help print once for all ranks, and the error is the last line a rank prints.
-    (The two launches run side by side: each spends most of its time importing torch.)"""
+    """A broken rule and --help print once for all ranks, and the error is the last line a rank prints. Who
+    speaks is decided by config.parse_flags and config.refuse, the same code in every step (checked below), so
+    the first step and the last stand for all. (The two launches run side by side: each spends most of its
+    time importing torch.)"""
     with ThreadPoolExecutor(2) as pool:
         refused, helped = pool.map(lambda flags: torchrun(step_dirs[step], 2, *flags, timeout=60),
                                    (["--lr", "-1"], ["--help"]))
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error: ")]
     assert refused.returncode != 0 and errors == ["error: --lr -1.0 must be positive"], ranks_output(refused)
     assert helped.returncode == 0 and helped.stdout.count("usage:") == 1, ranks_output(helped)
-    assert "(default: 0.003)" in " ".join(helped.stdout.split()), "--help shows the defaults"
-    assert f"Step {step[4:6]} - " in helped.stdout, "--help opens with the step's own description"
+    assert not help_problem(step, helped), help_problem(step, helped)
+
+
+def who_speaks(step_dir) -> list:
+    """The source of config.parse_flags and config.refuse, which decide which rank prints under torchrun."""
+    tree = ast.parse((step_dir / "config.py").read_text())
+    return [ast.unparse(node) for node in tree.body if isinstance(node, ast.FunctionDef)
+            and node.name in ("parse_flags", "refuse")]
+
+
+@pytest.mark.parametrize("step", STEPS[1:-1])
+def test_who_speaks_is_decided_alike_in_every_step(step, step_dirs):
+    """The reason test_under_torchrun_rank_0_alone_speaks runs two steps: the rest decide as they do."""
+    assert len(who_speaks(step_dirs[step])) == 2 and who_speaks(step_dirs[step]) == who_speaks(step_dirs[STEPS[0]])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_help_opens_with_the_step_and_shows_the_defaults(step, step_dirs):
+    """Each step's own --help, in one process. Control: another step's --help fails the check."""
+    helps = {s: subprocess.run([sys.executable, str(step_dirs[s] / "train.py"), "--help"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60) for s in (step, STEPS[STEPS.index(step) - 1])}
+    assert helps[step].returncode == 0 and not help_problem(step, helps[step]), help_problem(step, helps[step])
+    assert help_problem(step, helps[STEPS[STEPS.index(step) - 1]]), "another step's --help passed the check"
 
 
 def ratio_problem(stdout: str, events, kinds=("forward", "B", "W")):
