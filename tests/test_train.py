@@ -323,11 +323,12 @@ def test_who_speaks_is_decided_alike_in_every_step(step, step_dirs):
 
 @pytest.mark.parametrize("step", STEPS)
 def test_help_opens_with_the_step_and_shows_the_defaults(step, step_dirs):
-    """Each step's own --help, in one process. Control: another step's --help fails the check."""
-    helps = {s: subprocess.run([sys.executable, str(step_dirs[s] / "train.py"), "--help"], cwd=REPO,
-                               capture_output=True, text=True, timeout=60) for s in (step, STEPS[STEPS.index(step) - 1])}
-    assert helps[step].returncode == 0 and not help_problem(step, helps[step]), help_problem(step, helps[step])
-    assert help_problem(step, helps[STEPS[STEPS.index(step) - 1]]), "another step's --help passed the check"
+    """Each step's own --help, in one process. Control: the same text naming another step fails the check."""
+    helped = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and not help_problem(step, helped), help_problem(step, helped)
+    helped.stdout = helped.stdout.replace(f"Step {step[4:6]} - ", "Step 00 - ")
+    assert help_problem(step, helped), "--help naming another step passed the check"
 
 
 def ratio_problem(stdout: str, events, kinds=("forward", "B", "W")):
