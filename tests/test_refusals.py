@@ -3,14 +3,17 @@
 Under torchrun the first worker to exit with an error makes the agent stop all the others, so a line that
 a rank prints after a peer has exited can be lost. test_the_error_line_arrives_whatever_order_ranks_exit
 launches refused runs in a row beside a busy loop, half of them with rank 0 reaching its check late (the
-order that loses the line), and its control shows the old behaviour losing it. The stall tests are in
-test_train.py."""
+order that loses the line), and its control shows the old behaviour losing it. Under torchrun a refusal and
+--help come from rank 0 alone. The stall tests are in test_faults.py."""
+import ast
 import json
 import os
 import resource
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from conftest import STEPS
 from harness import REPO, free_port, rank_env
@@ -177,3 +180,64 @@ def test_a_long_step_is_announced_and_ticks(step_dirs):
     assert 2 <= len(ticks) <= 4 and all(t.startswith("(step 1 still running after") for t in ticks), lines
     assert lines[-1] == "done", lines
     assert not short.stdout.startswith("the first step"), short.stdout
+
+
+def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
+    """`torchrun --standalone` of the step's train.py on the CPU, as a user starts it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(step_dir / "train.py"), "--device", "cpu", *flags]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def ranks_output(done) -> str:
+    """What the ranks printed, without the report torchrun adds after a failure."""
+    text = done.stdout + done.stderr
+    cut = text.find("Traceback (most recent call last):\n  File \"") if "ChildFailedError" in text else -1
+    lines = [line for line in text[: cut if cut >= 0 else None].splitlines() if "torch/distributed/run.py" not in line]
+    return "\n".join(lines[-40:])
+
+
+def help_problem(step, helped) -> str:
+    """What is wrong with a --help's output: it must show the defaults and open with the step's description."""
+    if "(default: 0.003)" not in " ".join(helped.stdout.split()):
+        return "--help does not show the defaults"
+    return "" if f"Step {step[4:6]} - " in helped.stdout else "--help does not open with the step's own description"
+
+
+@pytest.mark.parametrize("step", [STEPS[0], STEPS[-1]])
+def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
+    """A broken rule and --help print once for all ranks, and the error is the last line a rank prints. Who
+    speaks is decided by config.parse_flags and config.refuse, the same code in every step (checked below), so
+    the first step and the last stand for all. (The two launches run side by side: each spends most of its
+    time importing torch.)"""
+    with ThreadPoolExecutor(2) as pool:
+        refused, helped = pool.map(lambda flags: torchrun(step_dirs[step], 2, *flags, timeout=60),
+                                   (["--lr", "-1"], ["--help"]))
+    errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and errors == ["error: --lr -1.0 must be positive"], ranks_output(refused)
+    assert helped.returncode == 0 and helped.stdout.count("usage:") == 1, ranks_output(helped)
+    assert not help_problem(step, helped), help_problem(step, helped)
+
+
+def who_speaks(step_dir) -> list:
+    """The source of config.parse_flags and config.refuse, which decide which rank prints under torchrun."""
+    tree = ast.parse((step_dir / "config.py").read_text())
+    return [ast.unparse(node) for node in tree.body if isinstance(node, ast.FunctionDef)
+            and node.name in ("parse_flags", "refuse")]
+
+
+@pytest.mark.parametrize("step", STEPS[1:-1])
+def test_who_speaks_is_decided_alike_in_every_step(step, step_dirs):
+    """The reason test_under_torchrun_rank_0_alone_speaks runs two steps: the rest decide as they do."""
+    assert len(who_speaks(step_dirs[step])) == 2 and who_speaks(step_dirs[step]) == who_speaks(step_dirs[STEPS[0]])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_help_opens_with_the_step_and_shows_the_defaults(step, step_dirs):
+    """Each step's own --help, in one process. Control: the same text naming another step fails the check."""
+    helped = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and not help_problem(step, helped), help_problem(step, helped)
+    helped.stdout = helped.stdout.replace(f"Step {step[4:6]} - ", "Step 00 - ")
+    assert help_problem(step, helped), "--help naming another step passed the check"

@@ -1,15 +1,12 @@
-"""train.py as a user runs it: default flags on several ranks, bad flags that must fail fast, torchrun
-(a stalled or dead rank: tests/test_faults.py).
+"""train.py as a user runs it: default flags on several ranks, and bad flags that must fail fast (torchrun
+itself: tests/test_refusals.py; a stalled or dead rank: tests/test_faults.py).
 
-The training runs start their ranks with the environment torchrun gives them (harness.launch);
-test_under_torchrun_rank_0_alone_speaks runs torchrun itself."""
-import ast
+The training runs start their ranks with the environment torchrun gives them (harness.launch)."""
 import json
 import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,23 +19,8 @@ DEFAULT_M = 4  # --microbatches' default from step 02 on (step02_gpipe/README.md
 DEFAULT_BATCH, DEFAULT_SEQ_LEN = 8, 128  # --batch-size and --seq-len's defaults (step01_naive/README.md, its flags)
 
 
-def torchrun(step_dir, nproc: int, *flags: str, timeout: float = 180):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(step_dir / "train.py"), "--device", "cpu", *flags]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
 def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def ranks_output(done) -> str:
-    """What the ranks printed, without the report torchrun adds after a failure."""
-    text = done.stdout + done.stderr
-    cut = text.find("Traceback (most recent call last):\n  File \"") if "ChildFailedError" in text else -1
-    lines = [line for line in text[: cut if cut >= 0 else None].splitlines() if "torch/distributed/run.py" not in line]
-    return "\n".join(lines[-40:])
 
 
 def train_py(step_dir, world: int, *flags: str, out):
@@ -284,51 +266,6 @@ def test_bad_configuration_fails_fast_with_a_clear_line(step, world, flags, expe
     assert message.startswith("error: "), found
     for text in expected:
         assert text in message, f"{text!r} not in {message!r}"
-
-
-def help_problem(step, helped) -> str:
-    """What is wrong with a --help's output: it must show the defaults and open with the step's description."""
-    if "(default: 0.003)" not in " ".join(helped.stdout.split()):
-        return "--help does not show the defaults"
-    return "" if f"Step {step[4:6]} - " in helped.stdout else "--help does not open with the step's own description"
-
-
-@pytest.mark.parametrize("step", [STEPS[0], STEPS[-1]])
-def test_under_torchrun_rank_0_alone_speaks(step, step_dirs):
-    """A broken rule and --help print once for all ranks, and the error is the last line a rank prints. Who
-    speaks is decided by config.parse_flags and config.refuse, the same code in every step (checked below), so
-    the first step and the last stand for all. (The two launches run side by side: each spends most of its
-    time importing torch.)"""
-    with ThreadPoolExecutor(2) as pool:
-        refused, helped = pool.map(lambda flags: torchrun(step_dirs[step], 2, *flags, timeout=60),
-                                   (["--lr", "-1"], ["--help"]))
-    errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error: ")]
-    assert refused.returncode != 0 and errors == ["error: --lr -1.0 must be positive"], ranks_output(refused)
-    assert helped.returncode == 0 and helped.stdout.count("usage:") == 1, ranks_output(helped)
-    assert not help_problem(step, helped), help_problem(step, helped)
-
-
-def who_speaks(step_dir) -> list:
-    """The source of config.parse_flags and config.refuse, which decide which rank prints under torchrun."""
-    tree = ast.parse((step_dir / "config.py").read_text())
-    return [ast.unparse(node) for node in tree.body if isinstance(node, ast.FunctionDef)
-            and node.name in ("parse_flags", "refuse")]
-
-
-@pytest.mark.parametrize("step", STEPS[1:-1])
-def test_who_speaks_is_decided_alike_in_every_step(step, step_dirs):
-    """The reason test_under_torchrun_rank_0_alone_speaks runs two steps: the rest decide as they do."""
-    assert len(who_speaks(step_dirs[step])) == 2 and who_speaks(step_dirs[step]) == who_speaks(step_dirs[STEPS[0]])
-
-
-@pytest.mark.parametrize("step", STEPS)
-def test_help_opens_with_the_step_and_shows_the_defaults(step, step_dirs):
-    """Each step's own --help, in one process. Control: the same text naming another step fails the check."""
-    helped = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert helped.returncode == 0 and not help_problem(step, helped), help_problem(step, helped)
-    helped.stdout = helped.stdout.replace(f"Step {step[4:6]} - ", "Step 00 - ")
-    assert help_problem(step, helped), "--help naming another step passed the check"
 
 
 def ratio_problem(stdout: str, events, kinds=("forward", "B", "W")):
