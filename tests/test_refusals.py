@@ -229,8 +229,11 @@ def who_speaks(step_dir) -> list:
 
 @pytest.mark.parametrize("step", STEPS[1:-1])
 def test_who_speaks_is_decided_alike_in_every_step(step, step_dirs):
-    """The reason test_under_torchrun_rank_0_alone_speaks runs two steps: the rest decide as they do."""
-    assert len(who_speaks(step_dirs[step])) == 2 and who_speaks(step_dirs[step]) == who_speaks(step_dirs[STEPS[0]])
+    """The reason test_under_torchrun_rank_0_alone_speaks runs two steps: the rest decide as they do. Control:
+    the old refuse, every rank exiting at once, is told apart."""
+    first = who_speaks(step_dirs[STEPS[0]])
+    assert len(first) == 2 and who_speaks(step_dirs[step]) == first
+    assert [text.replace("time.sleep(REFUSAL_WAIT_S)", "pass") for text in first] != first
 
 
 @pytest.mark.parametrize("step", STEPS)
