@@ -48,6 +48,11 @@ def rank_env(rank: int, world: int, port: int) -> dict:
                 OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+def run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    """One process, as subprocess.run(cmd, **kwargs) runs it: the tests' single-process launches go through here."""
+    return subprocess.run(cmd, **kwargs)
+
+
 def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
     """Run `cmd` as ranks 0..world-1; return their stdout texts. Raise RunFailed naming the bad rank."""
     out.mkdir(parents=True, exist_ok=True)
