@@ -9,16 +9,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 import formulas
+import warm
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "check_equivalence.py"
@@ -28,52 +30,64 @@ RTOL = 1e-5  # fp32 losses and gradients: pipelining only reorders sums, so they
 # seen here: up to 2e-5. Real bugs move weights much further (a missing zero_grad: 6e-4 on a
 # norm gain, 1e-2 to 4e-2 on the matrices), and the gradients themselves are held to RTOL above.
 WEIGHT_RTOL = 1e-4
+# The one variable the tests add to torchrun's environment: a crash in C++ prints the ranks' Python frames.
+TEST_ENV = {"PYTHONFAULTHANDLER": "1"}
+PEERS_SPEAK_S = 2.0  # after one rank fails, how long the others may go on to print their side (wait_all)
+STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to exit before SIGKILL (torchrun gives 30 s)
 
 
 class RunFailed(AssertionError):
     """A multi-process run crashed or stalled; the message says which rank and where."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank_env(rank: int, world: int, port: int, out: Path = None) -> dict:
+    """Exactly what `torchrun --standalone --nproc_per_node WORLD` gives rank `rank` (torch 2.13), with the
+    rendezvous store at `port`, which the launcher runs as torchrun's agent does (agent_store).
+    tests/test_warm.py compares it with real torchrun's. Only MASTER_PORT, TORCHELASTIC_RUN_ID and
+    TORCHELASTIC_ERROR_FILE differ, as they do between any two torchrun launches. CUDA_VISIBLE_DEVICES stays as
+    the user set it: the CPU tests name --device cpu, and the CUDA tier uses the GPUs the user chose."""
+    run_id = f"tests-{port}"
+    error_file = (Path(out) if out else Path(tempfile.gettempdir())) / f"torchelastic_{run_id}" / str(rank) / "error.json"
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_RANK=str(rank),
+                ROLE_WORLD_SIZE=str(world), MASTER_ADDR="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=run_id,
+                TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_ERROR_FILE=str(error_file),
+                TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
 
 
-def rank_env(rank: int, world: int, port: int) -> dict:
-    """What torchrun gives rank `rank` of `world` on one node. CUDA_VISIBLE_DEVICES stays as the user set it:
-    the CPU tests name --device cpu, and the CUDA tier uses the GPUs the user chose."""
-    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+@contextmanager
+def agent_store():
+    """The rendezvous store torchrun's agent runs for its ranks (TORCHELASTIC_USE_AGENT_STORE=True): every rank,
+    rank 0 included, joins it as a client, and it outlives them. Yields its port."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def run(cmd, **kwargs) -> subprocess.CompletedProcess:
-    """One process, as subprocess.run(cmd, **kwargs) runs it: the tests' single-process launches go through here."""
-    return subprocess.run(cmd, **kwargs)
+    """One process, as subprocess.run(cmd, **kwargs) runs it, started warm where it can be (tests/warm.py)."""
+    return warm.run(cmd, **kwargs)
+
+
+def run_rank(cmd, cwd=REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`cmd` as the one rank of a torchrun launch of one process, warm; its output captured as text."""
+    with agent_store() as port:
+        return run(cmd, cwd=cwd, env=rank_env(0, 1, port), capture_output=True, text=True, timeout=timeout)
 
 
 def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
-    """Run `cmd` as ranks 0..world-1; return their stdout texts. Raise RunFailed naming the bad rank."""
+    """Run `cmd` (`python SCRIPT ARGS`) as ranks 0..world-1, as torchrun runs them (start_ranks); return their
+    stdout texts. Raise RunFailed naming the bad rank."""
     out.mkdir(parents=True, exist_ok=True)
-    port, procs, logs = free_port(), [], []
-    for rank in range(world):
-        log = open(out / f"rank{rank}.log", "w+")
-        logs.append(log)
-        env = dict(rank_env(rank, world, port), PYTHONFAULTHANDLER="1")  # a crash in C++ prints the Python frames
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            time.sleep(2)  # let the peers of a crashed rank print their side, then stop them
-            break
-        time.sleep(0.05)
-    stalled = [r for r, p in enumerate(procs) if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    logs = [open(out / f"rank{rank}.log", "w+") for rank in range(world)]
+    with agent_store() as port:
+        procs = start_ranks(cmd, world, port, out, [(log, subprocess.STDOUT) for log in logs], cwd)
+        stalled = wait_all(procs, timeout)
     texts = [(log.seek(0), log.read())[1] for log in logs]
     for log in logs:
         log.close()
@@ -81,6 +95,58 @@ def launch(cmd, world: int, out: Path, timeout: float, cwd=REPO):
     if failed or stalled:
         raise RunFailed(failure_message(out, texts, {r: procs[r].returncode for r in failed}, stalled, timeout))
     return texts
+
+
+def start_ranks(cmd, world: int, port: int, out: Path, streams, cwd=REPO, extra_env=TEST_ENV):
+    """Start `cmd` (`python SCRIPT ARGS`) as ranks 0..world-1, warm (tests/warm.py), as torchrun starts them:
+    `python -u SCRIPT ARGS` with torchrun's environment (rank_env, the store at `port`), updated by extra_env
+    (a None leaves a variable out). streams: each rank's (stdout, stderr), files or fds; stderr may be
+    subprocess.STDOUT."""
+    def env(rank):
+        return {k: v for k, v in dict(rank_env(rank, world, port, out), **extra_env).items() if v is not None}
+
+    return [warm.popen(torchrun_argv(cmd), cwd=cwd, env=env(rank), stdout=stdout, stderr=stderr)
+            for rank, (stdout, stderr) in enumerate(streams)]
+
+
+def torchrun_argv(cmd):
+    """`python SCRIPT ARGS` as torchrun runs it: `python -u SCRIPT ARGS` (unbuffered)."""
+    return [cmd[0], "-u", *cmd[1:]] if cmd[0] == sys.executable and cmd[1:2] != ["-u"] else list(cmd)
+
+
+def wait_all(procs, timeout: float):
+    """Wait for every rank, and stop them as torchrun's agent does once one has failed: SIGTERM to the others,
+    SIGKILL to what still runs STOP_GRACE_S later. One difference, on purpose: the others get PEERS_SPEAK_S
+    first, so that their own last words (a peer gone, where they waited) reach the failure message. At the
+    deadline every rank still running is killed; return those ranks (stalled)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            stop_after_failure(procs)
+            return []
+        time.sleep(0.02)
+    stalled = [r for r, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    return stalled
+
+
+def stop_after_failure(procs):
+    """A rank failed: wait PEERS_SPEAK_S for the others to end by themselves, then stop them as torchrun does."""
+    spoken = time.monotonic() + PEERS_SPEAK_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < spoken:
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def failure_message(out: Path, texts, failed: dict, stalled, timeout) -> str:
@@ -317,9 +383,17 @@ def fault_run(cmd, world: int, folder: Path, signal_number: int, victim: int, st
     two steps, send `signal_number` to rank `victim` and wait for the others to exit. Deadlines, in seconds:
     start_deadline for the two steps (start-up on a loaded machine), exit_deadline for the survivors."""
     run, folder = FaultRun(cmd, folder, world, victim), Path(folder)
-    port, log = free_port(), folder / "log.jsonl"
+    with agent_store() as port:
+        return watch_fault(run, cmd, world, folder, port, signal_number, victim, start_deadline, exit_deadline)
+
+
+def watch_fault(run: FaultRun, cmd, world: int, folder: Path, port: int, signal_number: int, victim: int,
+                start_deadline: float, exit_deadline: float) -> FaultRun:
+    """fault_run's launch and watch, the store at `port`: cold processes, as a user's would be."""
+    log = folder / "log.jsonl"
     files = [(open(folder / f"rank{r}.out", "w"), open(folder / f"rank{r}.err", "w")) for r in range(world)]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=rank_env(r, world, port), stdout=out, stderr=err)
+    procs = [subprocess.Popen(torchrun_argv(cmd), cwd=REPO, env=rank_env(r, world, port, folder), stdout=out,
+                              stderr=err)
              for r, (out, err) in enumerate(files)]
     try:
         started = time.monotonic()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import STEPS
-from harness import fault_run, free_port, rank_env
+from harness import agent_store, fault_run, rank_env, torchrun_argv
 
 # The machinery that notices a stalled or dead peer is the same file in every step (FAULT_FILES, checked by
 # test_the_fault_machinery_is_the_same_in_every_step). What differs is where each step waits. So every step's
@@ -169,6 +169,21 @@ def interrupt_problems(codes, outputs) -> list:
     return problems + [f"rank {r} printed a traceback" for r, out in enumerate(outputs) if "Traceback" in out]
 
 
+def interrupt_when_saved(ranks, log):
+    """SIGINT to every rank once `log` holds 4 steps (the checkpoint of step 2 is saved); their outputs."""
+    try:
+        deadline = time.monotonic() + START_DEADLINE
+        while not (log.exists() and len(log.read_text().splitlines()) >= 4) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in ranks:
+            p.send_signal(signal.SIGINT)
+        return [p.communicate(timeout=60)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
 def test_ctrl_c_ends_every_rank_with_one_line(step_dirs, tmp_path):
     """SIGINT to both ranks of a pp 2 run (step 03), as Ctrl-C in a terminal sends it, once it has saved: exit
     code 130 on both, and one line, rank 0's, naming the step and the last checkpoint. The control: the old end,
@@ -176,21 +191,10 @@ def test_ctrl_c_ends_every_rank_with_one_line(step_dirs, tmp_path):
     cmd = [sys.executable, str(step_dirs["step03_afab"] / "train.py"), "--device", "cpu", "--steps", "100000",
            "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--save", str(tmp_path / "ck"),
            "--save-every", "2", "--keep", "1", "--log-json", str(tmp_path / "log.jsonl")]
-    port = free_port()
-    ranks = [subprocess.Popen(cmd, cwd=tmp_path, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        deadline = time.monotonic() + START_DEADLINE
-        log = tmp_path / "log.jsonl"  # 4 steps logged: the checkpoint of step 2 is saved
-        while not (log.exists() and len(log.read_text().splitlines()) >= 4) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for p in ranks:
-            p.send_signal(signal.SIGINT)
-        outputs = [p.communicate(timeout=60)[0] for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
+    with agent_store() as port:
+        ranks = [subprocess.Popen(torchrun_argv(cmd), cwd=tmp_path, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outputs = interrupt_when_saved(ranks, tmp_path / "log.jsonl")
     problems = interrupt_problems([p.returncode for p in ranks], outputs)
     assert not problems, "\n".join(problems) + "\n" + outputs[0][-2000:]
     step, folder = INTERRUPTED.search(outputs[0]).groups()

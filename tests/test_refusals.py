@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import STEPS
-from harness import REPO, free_port, rank_env
+from harness import REPO, agent_store, rank_env, run_rank, torchrun_argv
 
 REFUSED = [(["--lr", "nan"], "error: --lr nan must be positive"),
            (["--pp", "x"], "error: argument --pp: invalid int value: 'x' (see --help)"),
@@ -60,16 +60,16 @@ def diverge(step_dir, folder):
     """Two ranks at --lr 1e30 (pp 2): [(exit code, stderr)] of rank 0 and rank 1."""
     cmd = [sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "5", "--layers", "2",
            "--hidden", "32", "--heads", "2", "--seq-len", "16", "--lr", "1e30", "--timeout", "60"]
-    port = free_port()
-    ranks = [subprocess.Popen(cmd, cwd=folder, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in ranks]
-        return [(p.returncode, err) for p, err in zip(ranks, errs)]
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
+    with agent_store() as port:
+        ranks = [subprocess.Popen(torchrun_argv(cmd), cwd=folder, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        try:
+            errs = [p.communicate(timeout=120)[1] for p in ranks]
+            return [(p.returncode, err) for p, err in zip(ranks, errs)]
+        finally:
+            for p in ranks:
+                p.kill()
+                p.wait()
 
 
 def test_a_diverged_loss_stops_the_run_with_one_line(step_dirs, tmp_path):
@@ -82,10 +82,8 @@ def test_a_diverged_loss_stops_the_run_with_one_line(step_dirs, tmp_path):
         assert (code0, code1) == (3, 3), f"{step}: exit codes {code0}, {code1}\n{err0[-2000:]}"
         assert len(errors) == 1 and "training diverged" in errors[0] and " at step " in errors[0], (step, errors)
         assert errors[0] == err0.strip().splitlines()[-1], f"{step}: rank 0's last line is {err0[-300:]}"
-    control = subprocess.run([sys.executable, str(step_dirs[STEPS[0]] / "train.py"), "--device", "cpu", "--steps",
-                              "2", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"],
-                             cwd=tmp_path, env=rank_env(0, 1, free_port()), capture_output=True, text=True,
-                             timeout=120)
+    control = run_rank([sys.executable, str(step_dirs[STEPS[0]] / "train.py"), "--device", "cpu", "--steps", "2",
+                        "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"], cwd=tmp_path)
     assert control.returncode == 0, control.stderr[-2000:]
 
 
@@ -104,9 +102,8 @@ def parse_as_rank_0(step_dir, folder, cases, limit_bytes=None):
 
 def tiny_run(step_dir, folder, *flags):
     """One process of train.py on a tiny model for one step, in folder: (exit code, stdout)."""
-    done = subprocess.run([sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "1", "--layers",
-                           "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", *flags], cwd=folder,
-                          env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=120)
+    done = run_rank([sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "1", "--layers", "2",
+                     "--hidden", "32", "--heads", "2", "--seq-len", "16", *flags], cwd=folder)
     return done.returncode, done.stdout + done.stderr
 
 

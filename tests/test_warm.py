@@ -1,0 +1,98 @@
+"""The warm launcher (tests/warm.py, harness.start_ranks) starts a rank as torchrun does.
+
+The same command runs twice, under real `torchrun --standalone` and under the warm launcher, and each rank
+must see the same: environment, argv, working folder, sys.path[0] and __file__, the same lines on stdout
+and on stderr, and the same exit code, torchrun's own verdict included. Three commands: a rank probe that
+joins a gloo group (tests/rank_probe.py), a refused configuration of step 01's train.py (rank 0's `error:`
+line, then torchrun stops rank 1), and a probe whose rank 1 fails before it joins. Control: a launcher that
+drops one of torchrun's variables fails the same comparison.
+
+MASTER_PORT, TORCHELASTIC_RUN_ID and TORCHELASTIC_ERROR_FILE are not compared: they differ between any
+two torchrun launches (a free port, a fresh id, a folder named after it).
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import STEPS
+from harness import REPO, agent_store, start_ranks, wait_all
+
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+PROBE = "tests/rank_probe.py"
+COMMANDS = {"joins": [PROBE], "refused": [f"{STEPS[0]}/train.py", "--pp", "3"], "fails": [PROBE, "fail"]}
+FAILED_RANK = re.compile(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)")
+
+
+def under_torchrun(args, folder: Path):
+    """{rank: (exit code, stdout, stderr)} and torchrun's own exit code, each rank's output redirected to a
+    file (--redirects 3). torchrun names the ranks that failed, with their exit codes; the others exited 0.
+    It gets os.environ, as the warm launcher does: a child that inherits would also get what C code set in
+    this process (readline, loaded by pytest, sets COLUMNS and LINES) but os.environ does not show."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--log-dir", str(folder), "--redirects", "3", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=180, env=dict(os.environ))
+    codes = {int(rank): int(code) for rank, code in FAILED_RANK.findall(done.stderr)}
+    ranks = {}
+    for rank in range(2):
+        logs = next(folder.glob(f"*/attempt_0/{rank}"))
+        ranks[rank] = (codes.get(rank, 0), (logs / "stdout.log").read_text(), (logs / "stderr.log").read_text())
+    return ranks, done.returncode
+
+
+def under_warm_launcher(args, folder: Path, drop=None):
+    """The same, from harness.start_ranks with no variable of the tests' own (extra_env={}); the launcher's
+    verdict is torchrun's: 1 if a rank failed, else 0. drop: a variable the launcher leaves out (control)."""
+    folder.mkdir(parents=True)
+    files = [(open(folder / f"{rank}.out", "w+"), open(folder / f"{rank}.err", "w+")) for rank in range(2)]
+    with agent_store() as port:
+        procs = start_ranks([sys.executable, *args], 2, port, folder, files, cwd=REPO,
+                            extra_env={} if drop is None else {drop: None})
+        assert wait_all(procs, 120) == [], "a rank stalled"
+    ranks = {rank: (p.returncode, *[(f.seek(0), f.read())[1] for f in files[rank]]) for rank, p in enumerate(procs)}
+    return ranks, int(any(p.returncode for p in procs))
+
+
+def differences(torchrun, warm) -> list:
+    """Where the two launches differ, rank by rank: exit codes, environment, and every other line."""
+    (t_ranks, t_code), (w_ranks, w_code) = torchrun, warm
+    found = [] if t_code == w_code else [f"the launch ended with {w_code}, torchrun with {t_code}"]
+    for rank in range(2):
+        (t_exit, t_out, t_err), (w_exit, w_out, w_err) = t_ranks[rank], w_ranks[rank]
+        if t_exit != w_exit:
+            found.append(f"rank {rank}: exit code {w_exit}, under torchrun {t_exit}")
+        t_env, w_env = environment(t_out), environment(w_out)
+        found += [f"rank {rank}: {name} is {w_env.get(name)!r}, under torchrun {t_env.get(name)!r}"
+                  for name in sorted(set(t_env) | set(w_env)) if t_env.get(name) != w_env.get(name)]
+        if other_lines(t_out) != other_lines(w_out):
+            found.append(f"rank {rank}: stdout {other_lines(w_out)}, under torchrun {other_lines(t_out)}")
+        if t_err != w_err:
+            found.append(f"rank {rank}: stderr {w_err!r}, under torchrun {t_err!r}")
+    return found
+
+
+def environment(stdout: str) -> dict:
+    """The probe's environment line, less the variables that differ between any two launches."""
+    line = next((line for line in stdout.splitlines() if line.startswith("env ")), "env {}")
+    return {k: v for k, v in json.loads(line[4:]).items() if k not in PER_LAUNCH}
+
+
+def other_lines(stdout: str) -> list:
+    return [line for line in stdout.splitlines() if not line.startswith("env ")]
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_a_warm_rank_is_started_as_torchrun_starts_it(name, tmp_path):
+    args = COMMANDS[name]
+    torchrun = under_torchrun(args, tmp_path / "torchrun")
+    assert torchrun[1] == (0 if name == "joins" else 1), f"torchrun ended with {torchrun[1]}: {torchrun[0]}"
+    assert differences(torchrun, under_warm_launcher(args, tmp_path / "warm")) == []
+    if name == "joins":
+        assert "joined 1 of 2" in torchrun[0][1][1], torchrun[0][1]
+        dropped = under_warm_launcher(args, tmp_path / "control", drop="GROUP_RANK")
+        assert differences(torchrun, dropped) == ["rank 0: GROUP_RANK is None, under torchrun '0'",
+                                                  "rank 1: GROUP_RANK is None, under torchrun '0'"]
