@@ -6,12 +6,12 @@ points the tests of step 02 at your own copy of that folder (see tests/README.md
 "The tests as exercises"). The option can be given once per step.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import harness
 from replay_report import report_failures
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,8 +54,8 @@ def replay_report(step_dirs):
             if not (step_dirs[step] / "schedule.py").exists() or step < "step04":
                 cache[step] = None
             else:
-                done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json",
-                                       str(step_dirs[step])], capture_output=True, text=True, timeout=120)
+                done = harness.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json",
+                                    str(step_dirs[step])], capture_output=True, text=True, timeout=120)
                 assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: the report holds problems
                 cache[step] = json.loads(done.stdout)
         return cache[step]

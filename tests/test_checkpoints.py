@@ -11,7 +11,6 @@ resumed step from the worker's records (TP shards put back together)."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import harness
 from harness import REPO, RunFailed, launch
 
 WORKER = REPO / "tests" / "check_checkpoints.py"
@@ -300,9 +300,9 @@ def taken_inputs(out: Path):
 def parse_as_rank_0(step_dir: Path, out: Path, cases) -> list:
     """tests/check_bad_flags.py on each case's flags, rank 0 of 1: [{exit_code, last_line, printed}]."""
     (out / "cases.json").write_text(json.dumps([[1, flags] for flags, _ in cases]))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir),
-                           str(out / "cases.json")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = harness.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir),
+                        str(out / "cases.json")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

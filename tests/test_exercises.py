@@ -32,6 +32,7 @@ import exercise
 from check_exercises import failure_lines
 from conftest import STEPS
 from exercises import EXERCISES
+import harness
 from harness import tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,8 +107,8 @@ def test_catalogue_covers_every_step_and_names_real_code():
 
 
 def run_cli(*argv):
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "exercise.py"), *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    done = harness.run([sys.executable, str(REPO / "tests" / "exercise.py"), *argv], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
     return done.returncode, done.stdout.strip().splitlines()
 
 
@@ -128,8 +129,8 @@ def test_replay_reports_a_raising_schedule(tmp_path):
     a short summary and exit status 1 (JSON with --json)."""
     entry = exercise.BY_ID["04.1f1b"]
     folder = prepared(entry, tmp_path / "copy", stub=True)
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), str(folder)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = harness.run([sys.executable, str(REPO / "tests" / "replay.py"), str(folder)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 1 and len(lines) <= 15 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert "NCCL" in lines[0] and lines[2].startswith("  1f1b pp=1 m=1 v=1 p2p=batched (and 49 alike): the schedule "
@@ -139,15 +140,15 @@ def test_replay_reports_a_raising_schedule(tmp_path):
 def test_replay_runs_step_03_and_says_what_runs_before_it():
     """Step 03 (AFAB alone, no --schedule, no --p2p) is replayed, its controls caught; steps 01-02 have no
     engine to replay: one line says what checks them instead."""
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", "step03_afab"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = harness.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", "step03_afab"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
     report = json.loads(done.stdout)
     controls = {k: v for k, v in report.items() if k.endswith(("_caught", "_deadlocks"))}
     assert done.returncode == 0 and report["configurations"] >= 100 and not report["problems"], done.stdout[-2000:]
     assert len(controls) >= 3 and all(controls.values()), controls
     for step in ("step01_naive", "step02_gpipe"):
-        done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), step], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+        done = harness.run([sys.executable, str(REPO / "tests" / "replay.py"), step], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
         lines = (done.stdout + done.stderr).strip().splitlines()
         assert done.returncode == 1 and len(lines) == 1 and "tests/test_equivalence.py" in lines[0], lines
 
@@ -160,8 +161,8 @@ def test_a_broken_schedule_blames_itself_alone(tmp_path):
     entry = exercise.BY_ID["04.1f1b"]
     for i, wrong in enumerate(entry["wrong"]):
         folder = prepared(entry, tmp_path / f"wrong{i}", wrong=wrong)
-        done = subprocess.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", str(folder)], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        done = harness.run([sys.executable, str(REPO / "tests" / "replay.py"), "--json", str(folder)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
         assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
         blamed = json.loads(done.stdout)["schedules_at_fault"]
         assert blamed == ["1f1b", "pipedream", "pipedream-2bw"], (wrong[0], blamed)
@@ -277,8 +278,8 @@ def test_a_mistake_is_diagnosed_under_force_color():
     assert not [line for line in coloured.splitlines() if line.startswith("E ")]
     assert exercise.pytest_diagnosis(exercise.ANSI.sub("", coloured), REPO) == ["AssertionError: hysteresis counts overflows"]
     env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "40", "TERM": "xterm-256color"}
-    done = subprocess.run([sys.executable, "tests/exercise.py", "mistake", "07.scaler", "0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=env)
+    done = harness.run([sys.executable, "tests/exercise.py", "mistake", "07.scaler", "0"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env=env)
     assert "hysteresis counts overflows" in done.stdout and "\x1b[" not in done.stdout, done.stdout + done.stderr
     assert len(done.stdout.splitlines()) <= 20, done.stdout
 

@@ -13,13 +13,13 @@ Each check is first shown to fail a planted wrong report (the controls), so that
 """
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
 from check_gpu_path import MESSAGES
 from conftest import STEPS
+import harness
 from harness import REPO, RunFailed, launch
 from test_train import train_py
 
@@ -36,8 +36,8 @@ def reports(step_dirs):
 
     def report(step):
         if step not in cache:
-            done = subprocess.run([sys.executable, str(REPO / "tests" / "check_gpu_path.py"), str(step_dirs[step])],
-                                  cwd=REPO, capture_output=True, text=True, timeout=120)
+            done = harness.run([sys.executable, str(REPO / "tests" / "check_gpu_path.py"), str(step_dirs[step])],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr[-3000:]
             cache[step] = json.loads(done.stdout)
         return cache[step]
@@ -204,8 +204,8 @@ def one_fake_gpu(tmp_path, monkeypatch):
     (site / "sitecustomize.py").write_text(FAKE_CUDA)
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("PP_FAKE_GPUS", "1")
-    shown = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                           capture_output=True, text=True, timeout=60)
+    shown = harness.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                        capture_output=True, text=True, timeout=60)
     assert shown.stdout.strip() == "1", shown.stderr[-2000:]
     return tmp_path
 
@@ -219,7 +219,7 @@ def test_a_machine_with_one_gpu_runs_the_cpu_suite_unchanged(one_fake_gpu, step_
     assert re.search(r"^step +0 +loss", train_py(step_dir, 1, *TINY_RUN, out=out), re.MULTILINE)
     notebook = ("import sys, tempfile; sys.path.insert(0, '.'); from support import plots; "
                 f"print(plots.run_train(1, *{TINY_RUN!r}, workdir=tempfile.mkdtemp()).records)")
-    done = subprocess.run([sys.executable, "-c", notebook], cwd=step_dir, capture_output=True, text=True, timeout=120)
+    done = harness.run([sys.executable, "-c", notebook], cwd=step_dir, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "'loss'" in done.stdout, done.stderr[-3000:]
     with pytest.raises(RunFailed):
         launch([sys.executable, str(step_dir / "train.py"), *TINY_RUN], 1, one_fake_gpu / "control", timeout=120)

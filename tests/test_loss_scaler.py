@@ -8,12 +8,12 @@ fail the same comparison.
 """
 import json
 import random
-import subprocess
 import sys
 
 import pytest
 
 from conftest import STEPS
+import harness
 from harness import REPO
 
 SCALER_STEPS = [s for s in STEPS if s >= "step07"]
@@ -97,8 +97,8 @@ def run_checks(step_dir):
     scenarios = {name: dict(config=config, flags=flags,
                             resume_at=resume_point(config, expected_states(flags, **config)))
                  for name, (config, flags, _) in SCENARIOS.items()}
-    done = subprocess.run([sys.executable, str(CHECKS), str(step_dir)], input=json.dumps(scenarios),
-                          capture_output=True, text=True, timeout=60)
+    done = harness.run([sys.executable, str(CHECKS), str(step_dir)], input=json.dumps(scenarios),
+                       capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     return scenarios, json.loads(done.stdout)
 

@@ -6,12 +6,12 @@ torch.distributed.pipelining on the same model, weights and batch.
 """
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from conftest import STEPS
+import harness
 from harness import REPO, launch
 
 
@@ -21,8 +21,8 @@ SPLIT_STEPS = [step for step in STEPS if step >= "step08"]  # the backward split
 
 def measures(step_dir):
     """The JSON report of tests/check_measures.py on a step folder."""
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_measures.py"), str(step_dir)],
-                          capture_output=True, text=True, timeout=120)
+    done = harness.run([sys.executable, str(REPO / "tests" / "check_measures.py"), str(step_dir)],
+                       capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

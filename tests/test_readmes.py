@@ -28,8 +28,8 @@ A failure names the README, the line of the quote and what was printed instead.
 import json
 import re
 import shutil
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -171,17 +171,17 @@ class Runner:
         for step in REPO.glob("step0*"):  # a quoted path such as step01_naive/model.py names the course's file
             if not (self.scratch / step.name).exists():
                 (self.scratch / step.name).symlink_to(step, target_is_directory=True)
-        started = {}
-        for step, step_cases in cases.items():
+
+        def refuse(step):
             path = self.scratch / f"{step}_refusals.json"
-            path.write_text(json.dumps(step_cases))
-            started[step] = subprocess.Popen([sys.executable, str(REPO / "tests" / "check_bad_flags.py"),
-                                              str(REPO / step), str(path)], cwd=self.scratch, text=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for step, process in started.items():
-            out, err = process.communicate(timeout=120)
-            assert process.returncode == 0, err[-3000:]
-            self.refusals[step] = {(w, tuple(f)): r for (w, f), r in zip(cases[step], json.loads(out))}
+            path.write_text(json.dumps(cases[step]))
+            done = harness.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(REPO / step),
+                                str(path)], cwd=self.scratch, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+            return {(w, tuple(f)): r for (w, f), r in zip(cases[step], json.loads(done.stdout))}
+
+        with ThreadPoolExecutor(len(cases)) as pool:  # one process per step, all at once
+            self.refusals.update(zip(cases, pool.map(refuse, cases)))
 
     def _tool(self, command):
         """A course tool (tests/exercise.py) in a scratch copy of the course: it writes only there."""
@@ -190,8 +190,8 @@ class Runner:
             shutil.copytree(REPO / "tests", course / "tests", ignore=shutil.ignore_patterns("__pycache__"))
             for step in REPO.glob("step0*"):
                 (course / step.name).symlink_to(step, target_is_directory=True)
-        done = subprocess.run([sys.executable, *command.split()[1:]], cwd=course, capture_output=True, text=True,
-                              timeout=300)
+        done = harness.run([sys.executable, *command.split()[1:]], cwd=course, capture_output=True, text=True,
+                           timeout=300)
         return done.stdout + done.stderr
 
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import STEPS
+import harness
 from harness import REPO, agent_store, rank_env, run_rank, torchrun_argv
 
 REFUSED = [(["--lr", "nan"], "error: --lr nan must be positive"),
@@ -167,10 +168,10 @@ def test_a_long_step_is_announced_and_ticks(step_dirs):
     seconds, from its FLOPs and a short probe; while a step runs, a line every TICK_S (0.2 s here) names it, and
     none once the steps are done. The control: the default model is not announced (its step is short)."""
     step_dir = str(step_dirs["step07_mixed_precision"])
-    long = subprocess.run([sys.executable, "-c", LONG_STEP, step_dir, "--seq-len", "20000", "--precision", "bf16"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    short = subprocess.run([sys.executable, "-c", LONG_STEP, step_dir], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    long = harness.run([sys.executable, "-c", LONG_STEP, step_dir, "--seq-len", "20000", "--precision", "bf16"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    short = harness.run([sys.executable, "-c", LONG_STEP, step_dir], capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = long.stdout.splitlines()
     assert lines[0].startswith("the first step will take about ") and "FLOPs" in lines[0], long.stdout + long.stderr
     ticks = lines[1:lines.index("done")]
@@ -236,8 +237,8 @@ def test_who_speaks_is_decided_alike_in_every_step(step, step_dirs):
 @pytest.mark.parametrize("step", STEPS)
 def test_help_opens_with_the_step_and_shows_the_defaults(step, step_dirs):
     """Each step's own --help, in one process. Control: the same text naming another step fails the check."""
-    helped = subprocess.run([sys.executable, str(step_dirs[step] / "train.py"), "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    helped = harness.run([sys.executable, str(step_dirs[step] / "train.py"), "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and not help_problem(step, helped), help_problem(step, helped)
     helped.stdout = helped.stdout.replace(f"Step {step[4:6]} - ", "Step 00 - ")
     assert help_problem(step, helped), "--help naming another step passed the check"

@@ -7,11 +7,11 @@ such output edited fails, naming the copy, the cell and the edited line; for eac
 import copy
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
+import harness
 from conftest import REPO, STEPS
 from saved_outputs import match_parts
 
@@ -20,8 +20,8 @@ CHECKER = REPO / "tests" / "saved_outputs.py"
 
 def check(*targets):
     """The checker's report on STEP_DIR[=NOTEBOOK] targets, from one process that forks one child per target."""
-    done = subprocess.run([sys.executable, str(CHECKER), *map(str, targets)], capture_output=True, text=True,
-                          timeout=120)
+    done = harness.run([sys.executable, str(CHECKER), *map(str, targets)], capture_output=True, text=True,
+                       timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

@@ -1,12 +1,12 @@
 """Step 08's schedules as data (schedule_lab.py): PyTorch's notation read and written, lists checked,
 every course schedule's dumped list run bitwise equal to its function, and the lab (tests/lab.py)."""
 import json
-import subprocess
 import sys
 from fractions import Fraction
 
 import pytest
 
+import harness
 from harness import REPO, launch
 
 STEP = "step08_dualpipe"
@@ -103,8 +103,8 @@ def torch_csv(path, kind, pp, m, virtual=1):
 
 
 def run_lab(path, *flags):
-    return subprocess.run([sys.executable, str(REPO / "tests" / "lab.py"), str(path), *flags],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    return harness.run([sys.executable, str(REPO / "tests" / "lab.py"), str(path), *flags],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
 @pytest.mark.parametrize("virtual", [1, 2])

@@ -1,12 +1,12 @@
 """Schedules checked two ways: replayed without a model (order, deadlock freedom) and by measured memory."""
 import json
-import subprocess
 import sys
 
 import pytest
 
 import formulas
 from conftest import STEPS
+import harness
 from harness import REPO, launch, memory_report_problems
 
 SCHEDULED = [s for s in STEPS if s >= "step04"]  # steps whose schedule.py offers a choice of schedules
@@ -78,8 +78,8 @@ def test_pipedream_weight_versions(step, replay_report):
 @pytest.mark.parametrize("step", STEPS)
 def test_printed_formulas_match_the_papers(step, step_dirs):
     """bubble_formula and peak_stored_microbatches, which train.py prints, against tests/formulas.py."""
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_formulas.py"), str(step_dirs[step])],
-                          capture_output=True, text=True, timeout=120)
+    done = harness.run([sys.executable, str(REPO / "tests" / "check_formulas.py"), str(step_dirs[step])],
+                       capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["configurations"] >= 8 and not report["problems"], report

@@ -4,13 +4,13 @@ it splits, the exact initialisation, scatter-gather pipeline messages, and the h
 The whole model is checked against one device in test_equivalence.py; these tests say which piece is wrong.
 """
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import STEPS
+import harness
 from harness import REPO, launch, whole_tensors
 
 TP_STEPS = [s for s in STEPS if s >= "step06"]
@@ -20,7 +20,7 @@ CHECKS = REPO / "tests" / "check_tensor_parallel.py"
 def run_checks(step_dir, mode: str, world: int, tmp_path):
     out = tmp_path / "found.json"
     if world == 1:
-        subprocess.run([sys.executable, str(CHECKS), str(step_dir), mode, str(out)], check=True, timeout=120)
+        harness.run([sys.executable, str(CHECKS), str(step_dir), mode, str(out)], check=True, timeout=120)
     else:
         launch([sys.executable, str(CHECKS), str(step_dir), mode, str(out)], world, tmp_path, timeout=120)
     return json.loads(out.read_text())

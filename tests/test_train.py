@@ -5,13 +5,13 @@ The training runs start their ranks with the environment torchrun gives them (ha
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import STEPS
+import harness
 from harness import REPO, RunFailed, launch, memory_report_problems, throughput_problem
 
 SMOKE_STEPS = 4
@@ -246,9 +246,9 @@ def refusals(step_dirs, tmp_path_factory):
             cases = [[w, f] for s, w, f, _ in (p.values for p in CASES) if s == step]
             path = tmp_path_factory.mktemp(step) / "cases.json"
             path.write_text(json.dumps(cases))
-            done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
-                                   str(path)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            done = harness.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
+                                str(path)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
             assert done.returncode == 0, done.stderr[-3000:]
             cache[step] = {(w, tuple(f)): found for (w, f), found in zip(cases, json.loads(done.stdout))}
         return cache[step][world, tuple(flags)]
@@ -363,9 +363,9 @@ def test_memory_estimate_is_a_close_lower_bound(step, step_dirs, four_stage_run)
     Control: one stored microbatch more, or fewer, on every stage leaves the bound."""
     _, log, _ = four_stage_run(step)
     last = read_log(log)[-1]
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
-                           "--estimate", "4", "--steps", str(SMOKE_STEPS)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done = harness.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dirs[step]),
+                        "--estimate", "4", "--steps", str(SMOKE_STEPS)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     estimates = json.loads(done.stdout)
     activations, measured = [e["activations"] for e in estimates], last["peak_activation_bytes"]

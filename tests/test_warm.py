@@ -8,13 +8,15 @@ line, then torchrun stops rank 1), and a probe whose rank 1 fails before it join
 drops one of torchrun's variables fails the same comparison.
 
 MASTER_PORT, TORCHELASTIC_RUN_ID and TORCHELASTIC_ERROR_FILE are not compared: they differ between any
-two torchrun launches (a free port, a fresh id, a folder named after it).
+two torchrun launches (a free port, a fresh id, a folder named after it). Nor is PYTEST_CURRENT_TEST, which
+pytest sets to the phase (the torchrun launches run in a fixture).
 """
 import json
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,8 @@ import pytest
 from conftest import STEPS
 from harness import REPO, agent_store, start_ranks, wait_all
 
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+# Differ between any two torchrun launches; pytest names the phase, and torchrun runs in the fixture's setup.
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PYTEST_CURRENT_TEST"}
 PROBE = "tests/rank_probe.py"
 COMMANDS = {"joins": [PROBE], "refused": [f"{STEPS[0]}/train.py", "--pp", "3"], "fails": [PROBE, "fail"]}
 FAILED_RANK = re.compile(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)")
@@ -85,10 +88,17 @@ def other_lines(stdout: str) -> list:
     return [line for line in stdout.splitlines() if not line.startswith("env ")]
 
 
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """The three commands under real torchrun, all at once: {name: under_torchrun(...)}."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    with ThreadPoolExecutor(len(COMMANDS)) as pool:
+        return dict(zip(COMMANDS, pool.map(lambda name: under_torchrun(COMMANDS[name], folder / name), COMMANDS)))
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
-def test_a_warm_rank_is_started_as_torchrun_starts_it(name, tmp_path):
-    args = COMMANDS[name]
-    torchrun = under_torchrun(args, tmp_path / "torchrun")
+def test_a_warm_rank_is_started_as_torchrun_starts_it(name, torchrun_runs, tmp_path):
+    args, torchrun = COMMANDS[name], torchrun_runs[name]
     assert torchrun[1] == (0 if name == "joins" else 1), f"torchrun ended with {torchrun[1]}: {torchrun[0]}"
     assert differences(torchrun, under_warm_launcher(args, tmp_path / "warm")) == []
     if name == "joins":

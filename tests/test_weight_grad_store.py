@@ -4,12 +4,12 @@ The schedule built on it, zb1p, is replayed in test_schedules.py and checked aga
 references in test_equivalence.py.
 """
 import json
-import subprocess
 import sys
 
 import pytest
 
 from conftest import STEPS
+import harness
 from harness import REPO, launch
 
 SPLIT_STEPS = [s for s in STEPS if s >= "step08"]
@@ -53,8 +53,8 @@ def test_store_runs_each_w_under_its_key_oldest_first(step, step_dirs):
     """The store files each W under its (chunk, microbatch), says which is oldest, runs them in the order of
     their B's and ends empty. Control: asking for the newer W first is refused, naming both."""
     def run(order):
-        done = subprocess.run([sys.executable, "-c", ORDER_CHECK, str(step_dirs[step]), order],
-                              capture_output=True, text=True, timeout=60)
+        done = harness.run([sys.executable, "-c", ORDER_CHECK, str(step_dirs[step]), order],
+                           capture_output=True, text=True, timeout=60)
         return done.stdout.strip()
     assert run("in order") == "(0, 0) ran [(0, 0), (1, 0)] empty True"
     assert run("newest first") == "(0, 0) refused: W of (1, 0) before the W of (0, 0), whose B ran first"

@@ -36,13 +36,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 # Read when Python or torch start, so a fork cannot change them: a command that sets them otherwise starts cold.
 FIXED_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "LD_", "MALLOC", "TORCH", "PYTORCH", "CUDA_",
                   "NVIDIA_", "HIP_", "ROCR_", "GLIBC", "MPLBACKEND", "MPLCONFIGDIR", "LC_", "LANG")
-# ... except these two, which the fork applies itself, as start-up would.
-APPLIED_IN_FORK = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
+# ... except these: the fork applies the first two itself, as start-up would; torch reads the others only when
+# a process group starts (torchrun's TORCHELASTIC_* and TORCH_NCCL_ASYNC_ERROR_HANDLING).
+APPLIED_IN_FORK = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TORCHELASTIC_", "TORCH_NCCL_")
 # What a step's ranks import from outside the step: imported once, here, by the server.
 PRELOAD = ("torch", "torch.nn.functional", "torch.func", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.pipelining", "torch._dynamo", "torch.optim")
@@ -50,7 +50,7 @@ PRELOAD = ("torch", "torch.nn.functional", "torch.func", "torch.distributed", "t
 
 def fixed_at_start(env: dict) -> dict:
     """The variables of `env` that a fork cannot change (see FIXED_AT_START)."""
-    return {k: v for k, v in env.items() if k.startswith(FIXED_AT_START) and k not in APPLIED_IN_FORK}
+    return {k: v for k, v in env.items() if k.startswith(FIXED_AT_START) and not k.startswith(APPLIED_IN_FORK)}
 
 
 # ---------------------------------------------------------------------------------------------------------
