@@ -278,3 +278,16 @@ def test_readme_commands_name_files_and_flags_that_exist():
     controls = ["torchrun --nproc_per_node 2 step04_1f1b/train.py --no-such-flag", "python step09_none/train.py",
                 "python tests/exercise.py start 04.nothing"]
     assert all(missing(c) for c in controls), [c for c in controls if not missing(c)]
+
+
+def test_ci_runs_the_test_commands_of_the_readme():
+    """.ci/run runs the README's test commands, as written and in order: each `pytest` command shown there,
+    but those that narrow the run to a part (-k). Control: a CI that adds a flag to one of them fails."""
+    def ci_commands(script: str):
+        return [line.split(" #")[0].strip() for line in script.splitlines() if line.startswith("pytest")]
+
+    shown = [command for _, command in shown_commands(REPO / "README.md")
+             if command.startswith("pytest") and " -k " not in command]
+    script = (REPO / ".ci" / "run").read_text()
+    assert shown and ci_commands(script) == shown, f"README: {shown}; .ci/run: {ci_commands(script)}"
+    assert ci_commands(script.replace("pytest -m", "pytest -x -m")) != shown, "the control passed"
