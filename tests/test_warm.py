@@ -8,8 +8,9 @@ line, then torchrun stops rank 1), and a probe whose rank 1 fails before it join
 drops one of torchrun's variables fails the same comparison.
 
 MASTER_PORT, TORCHELASTIC_RUN_ID and TORCHELASTIC_ERROR_FILE are not compared: they differ between any
-two torchrun launches (a free port, a fresh id, a folder named after it). Nor is PYTEST_CURRENT_TEST, which
-pytest sets to the phase (the torchrun launches run in a fixture).
+two torchrun launches (a free port, a fresh id, a folder named after it). Nor are PYTEST_CURRENT_TEST, which
+pytest sets to the phase (the torchrun launches run in a fixture), and the folder of the session's warm
+servers (warm.SHARED), which is set once the first server starts.
 """
 import json
 import os
@@ -22,10 +23,12 @@ from pathlib import Path
 import pytest
 
 from conftest import STEPS
+import warm
 from harness import REPO, agent_store, start_ranks, wait_all
 
-# Differ between any two torchrun launches; pytest names the phase, and torchrun runs in the fixture's setup.
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PYTEST_CURRENT_TEST"}
+# Differ between any two torchrun launches; pytest names the phase, and torchrun runs in the fixture's setup;
+# the folder of the session's warm servers is set when the first one starts, which may follow torchrun's launch.
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PYTEST_CURRENT_TEST", warm.SHARED}
 PROBE = "tests/rank_probe.py"
 COMMANDS = {"joins": [PROBE], "refused": [f"{STEPS[0]}/train.py", "--pp", "3"], "fails": [PROBE, "fail"]}
 FAILED_RANK = re.compile(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)")

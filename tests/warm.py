@@ -26,6 +26,7 @@ and real torchrun give each rank the same environment, the same output lines and
     python tests/warm.py SOCKET     # the server; the tests start it (start_server), not you
 """
 import atexit
+import hashlib
 import json
 import os
 import select
@@ -208,15 +209,16 @@ def finish(code: int):
 # ---------------------------------------------------------------------------------------------------------
 # The launcher's side.
 
-class Server:
-    """A server for one start-up environment: started on first use, stopped when the launcher exits (its
-    stdin closes)."""
+SHARED = "PP_TESTS_WARM_SERVERS"  # the session's folder of servers: the processes the tests start use them too
 
-    def __init__(self, env: dict):
-        self.folder = tempfile.mkdtemp(prefix="warm-")
-        self.path = os.path.join(self.folder, "socket")
-        self.env = env
-        self.process = subprocess.Popen([sys.executable, __file__, self.path], env=env, stdin=subprocess.PIPE,
+
+class Server:
+    """A server for one start-up environment, listening on `path`: started on first use, stopped when the
+    process that started it exits (its stdin closes)."""
+
+    def __init__(self, path: str, env: dict):
+        self.path = path
+        self.process = subprocess.Popen([sys.executable, __file__, path], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.ready = None
         atexit.register(self.stop)
@@ -230,7 +232,17 @@ class Server:
     def stop(self):
         self.process.stdin.close()
         self.process.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+class SharedServer:
+    """A server that a parent process of the session started (a pytest run inside a test, a check script)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def wait_ready(self) -> bool:
+        return True
 
 
 _servers, _lock = {}, threading.Lock()
@@ -238,16 +250,24 @@ _servers, _lock = {}, threading.Lock()
 
 def server_for(cmd, env: dict):
     """The server that can start `cmd` with `env`, or None: `python [-u] SCRIPT ...` and `python [-u] -c CODE
-    ...` start warm, from a server whose start-up environment is the one `env` asks for."""
+    ...` start warm, from a server whose start-up environment is the one `env` asks for. The first process of
+    a session that starts a server exports its folder (SHARED); its child processes use its servers."""
     args = [str(a) for a in cmd[1:]]
     args = args[1:] if args[:1] == ["-u"] else args
     if not (cmd[0] == sys.executable and args and (args[0] == "-c" or not args[0].startswith("-"))):
         return None
     key = json.dumps(fixed_at_start(env), sort_keys=True)
+    name = hashlib.sha1(key.encode()).hexdigest()[:16] + ".socket"
     with _lock:
-        if key not in _servers or _servers[key].process.poll() is not None:
-            start_env = {k: v for k, v in os.environ.items() if k not in fixed_at_start(os.environ)}
-            _servers[key] = Server(dict(start_env, **fixed_at_start(env)))
+        if key not in _servers:
+            shared = os.environ.get(SHARED)
+            if shared and os.path.exists(os.path.join(shared, name)):
+                _servers[key] = SharedServer(os.path.join(shared, name))
+            else:
+                folder = tempfile.mkdtemp(prefix="warm-")
+                os.environ.setdefault(SHARED, folder)  # the first in the session shares its servers
+                start_env = {k: v for k, v in os.environ.items() if k not in fixed_at_start(os.environ)}
+                _servers[key] = Server(os.path.join(folder, name), dict(start_env, **fixed_at_start(env)))
         server = _servers[key]
     return server if server.wait_ready() else None
 
@@ -309,7 +329,10 @@ def popen(cmd, env=None, cwd=None, stdin=None, stdout=None, stderr=None):
         out = fileno(stdout, 1, devnull.fileno())
         streams = [fileno(stdin, 0, devnull.fileno()), out,
                    out if stderr == subprocess.STDOUT else fileno(stderr, 2, devnull.fileno())]
-        return WarmProcess(server, cmd, env, cwd, streams)
+        try:
+            return WarmProcess(server, cmd, env, cwd, streams)
+        except OSError:  # a shared server that has gone: start cold
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
 
 
 def run(cmd, env=None, cwd=None, input=None, capture_output=False, text=False, timeout=None, check=False,
