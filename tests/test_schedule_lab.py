@@ -141,11 +141,15 @@ def test_bad_input_gets_one_line_before_any_work(tmp_path, rows, flags, line):
 @pytest.mark.parametrize("rows, line", [
     ("0F0,0B1,0F1,0B0\n1F0,1B0,1F1,1B1\n", "rank 0, action 1 0B1: before its 0F1"),  # invalid
     ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlock: rank 0 waits at 0B0; rank 1 waits at 1F1"),
+    ("0F0,0B0,0F1,0B1\n1F0,1B0,1F1,1B1\n", "rank 0: 0F2 is missing"),  # --microbatches 3: microbatch 2 never runs
 ])
 def test_invalid_and_deadlocking_lists_fail_naming_rank_and_action(tmp_path, rows, line):
+    """The lab's verdict on a list that is out of order, deadlocks, or never names a microbatch of
+    --microbatches (a complete list of fewer microbatches would train on less than the batch)."""
     path = tmp_path / "list.csv"
     path.write_text(rows)
-    done = run_lab(path, "--pp", "2", "--microbatches", "2", "--no-run")
+    m = "3" if "missing" in line else "2"
+    done = run_lab(path, "--pp", "2", "--microbatches", m, "--no-run")
     assert done.returncode == 1 and line in done.stdout and "FAIL" in done.stdout, done.stdout + done.stderr
 
 
