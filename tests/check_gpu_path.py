@@ -6,7 +6,8 @@ Prints one JSON object:
 
   devices   {"choice gpus local_world nodes local_rank": [outcome, notes]} for --device auto and cuda on nodes of
             0 to 4 GPUs and 1 to 4 ranks, in a job of one node or two (the second node's ranks: WORLD_SIZE twice
-            LOCAL_WORLD_SIZE, RANK from LOCAL_WORLD_SIZE on): outcome is ["device", "cpu" | "cuda"], ["refused", line] or
+            LOCAL_WORLD_SIZE, RANK from LOCAL_WORLD_SIZE on): outcome is ["device", "cpu" | "cuda"],
+            ["refused", line] or
             ["crash", message]; notes are the lines the rank printed besides. torch.cuda.device_count and
             is_available are faked, and mem_get_info raises CUDA's own "invalid device ordinal" for a GPU the
             node does not have, as a real one does.

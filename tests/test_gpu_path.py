@@ -145,7 +145,8 @@ def test_the_checks_fail_planted_wrong_reports():
     ordinal' under --device auto; the clock stops before the GPU has finished; NCCL's timeout is not recognised
     and every error becomes a deadlock; every rank prints PyTorch's serialisation warning. And a node of a
     two-node job that counts the job's ranks as its own: it falls back to the CPU, or refuses, with GPUs enough."""
-    good = {f"auto 2 4 1 {r}": [["device", "cpu"], [] if r else ["note: --device auto ... 2 GPUs ..."]] for r in range(4)}
+    good = {f"auto 2 4 1 {r}": [["device", "cpu"], [] if r else ["note: --device auto ... 2 GPUs ..."]]
+            for r in range(4)}
     assert device_problems(good) == []
     crashed = dict(good, **{f"auto 2 4 1 {r}": [["crash", "CUDA error: invalid device ordinal"], []] for r in (2, 3)})
     assert device_problems(crashed)
