@@ -98,10 +98,14 @@ def full_in_save(k: int):
 
 
 def copy_log_head(source: str, target: str, step: int):
-    """The lines of the log at source up to its first record of `step` or later, written to target."""
+    """The lines of the log at source up to its first record of `step` or later, written to target (a line that is
+    no step record, such as a mark the course may write, is kept as it is)."""
     head = []
     for line in Path(source).read_text().splitlines(keepends=True):
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
         if isinstance(record, dict) and record.get("step", -1) >= step:
             break
         head.append(line)
