@@ -5,6 +5,8 @@ test_checkpoints.py through harness.launch, never by pytest itself.
 
 Each case is {"flags": [...], and optionally
     "copy": [SRC, DST]    rank 0 copies the checkpoint folder SRC to DST first (a resume's start),
+    "log_head": [SRC, DST, K]  rank 0 writes into DST the lines of the log SRC before its record of step K:
+                          the --log-json of a run that saved step K and stopped, which the resume appends to,
     "grads": [K, DIR]     this rank writes DIR/rankR.pt, its gradients of step K,
     "no_optimizer": true  the save writes, and the load asks for, no optimizer state (the control),
     "die_saving": K       rank 1 is killed (SIGKILL) in the K-th save, after writing its file, before
@@ -95,6 +97,21 @@ def full_in_save(k: int):
     filesystem.FileSystemWriter.write_data = write_data
 
 
+def copy_log_head(source: str, target: str, step: int):
+    """The lines of the log at source up to its first record of `step` or later, written to target (a line that is
+    no step record, such as a mark the course may write, is kept as it is)."""
+    head = []
+    for line in Path(source).read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and record.get("step", -1) >= step:
+            break
+        head.append(line)
+    Path(target).write_text("".join(head))
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -109,6 +126,8 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         (out / f"rank{rank}.status").write_text(f"case {i}: {' '.join(case['flags'])}")
         if "copy" in case and rank == 0:
             shutil.copytree(*case["copy"])
+        if "log_head" in case and rank == 0:
+            copy_log_head(*case["log_head"])
         dist.barrier()  # the copy is there before any rank checks --resume
         if "grads" in case:
             os.makedirs(case["grads"][1], exist_ok=True)

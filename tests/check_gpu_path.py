@@ -4,8 +4,10 @@
 
 Prints one JSON object:
 
-  devices   {"choice gpus local_world local_rank": [outcome, notes]} for --device auto and cuda on nodes of
-            0 to 4 GPUs and 1 to 4 ranks: outcome is ["device", "cpu" | "cuda"], ["refused", line] or
+  devices   {"choice gpus local_world nodes local_rank": [outcome, notes]} for --device auto and cuda on nodes of
+            0 to 4 GPUs and 1 to 4 ranks, in a job of one node or two (the second node's ranks: WORLD_SIZE twice
+            LOCAL_WORLD_SIZE, RANK from LOCAL_WORLD_SIZE on): outcome is ["device", "cpu" | "cuda"],
+            ["refused", line] or
             ["crash", message]; notes are the lines the rank printed besides. torch.cuda.device_count and
             is_available are faked, and mem_get_info raises CUDA's own "invalid device ordinal" for a GPU the
             node does not have, as a real one does.
@@ -63,15 +65,17 @@ def fake_cuda(torch, gpus: int):
     torch.cuda.mem_get_info = mem_get_info
 
 
-def device_outcome(config, torch, choice: str, gpus: int, local_world: int, local_rank: int):
-    """[outcome, notes] of one rank's flag check (config.parse_flags) on a node as given."""
+def device_outcome(config, torch, choice: str, gpus: int, local_world: int, nodes: int, local_rank: int):
+    """[outcome, notes] of one rank's flag check (config.parse_flags) on the last of `nodes` nodes as given: a job
+    of nodes x local_world ranks (WORLD_SIZE), this node's rank local_rank of local_world (LOCAL_WORLD_SIZE)."""
     fake_cuda(torch, gpus)
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(local_world),
+    world = nodes * local_world
+    os.environ.update(RANK=str(world - local_world + local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(local_world))
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = config.parse_flags(["--device", choice, "--pp", str(local_world), "--layers", "4"], "")
+            args = config.parse_flags(["--device", choice, "--pp", str(world), "--layers", str(max(4, world))], "")
         outcome = ["device", args.device]
     except SystemExit:
         lines = err.getvalue().splitlines()
@@ -87,9 +91,10 @@ def devices(config, torch):
     for choice in ("auto", "cuda"):
         for gpus in range(5):
             for local_world in (1, 2, 4):
-                for local_rank in range(local_world):
-                    key = f"{choice} {gpus} {local_world} {local_rank}"
-                    found[key] = device_outcome(config, torch, choice, gpus, local_world, local_rank)
+                for nodes in (1, 2):
+                    for local_rank in range(local_world):
+                        key = f"{choice} {gpus} {local_world} {nodes} {local_rank}"
+                        found[key] = device_outcome(config, torch, choice, gpus, local_world, nodes, local_rank)
     return found
 
 

@@ -6,6 +6,8 @@
     backwards, recomputes, waits, several ranks and steps; in step 08 a B and a W,
     with a control that leaves W out of the busy time (run because the step splits its
     backward, weight_grad_store.py, whatever its timeline lists as compute);
+  * step 08: a real stage's W computes every weight gradient inside its "W" span, so its work is
+    counted where it runs (control: a W whose work runs before an empty span);
   * the timeline records nothing while disabled;
   * on CUDA (faked here: events stamped from a GPU clock set by hand) a span waits for
     nothing: one synchronize as a step starts and one as it ends, none while disabled,
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from unittest import mock
 
@@ -63,6 +66,65 @@ def check_split_bubble(timeline):
     with mock.patch.object(timeline, "COMPUTE", tuple(k for k in timeline.COMPUTE if k != "W")):
         if timeline.busy_fractions(events, 1, [0]) == [3 / 4]:
             return "control: a busy time without W gave 3/4 all the same"
+    return None
+
+
+def changed(before: dict, after: dict) -> list:
+    """The parameters whose gradient differs between two snapshots {name: gradient or None}."""
+    return [n for n in before if (before[n] is None) != (after[n] is None)
+            or before[n] is not None and not torch.equal(before[n], after[n])]
+
+
+def w_outside_its_box(model, stage_module, timeline, store, stage_class=None) -> list:
+    """Step 08: one stage's forward and split backward (B) of a microbatch, then its W (backward_weights) with the
+    gradients watched at every step of the way: [parameters whose gradient W changed outside its "W" span],
+    or a line saying W changed none inside it."""
+    net, cfg = tiny_stage_model(model, first=False, last=False)
+    stage = (stage_class or stage_module.PipelineStage)(net)
+    x = torch.randn(2, cfg.seq_len, cfg.hidden)
+    with store.WeightGradStore.splittable():
+        out = stage.forward(0, x, None)
+    stage.backward(0, x, out, torch.ones_like(out), split=True)
+    grads = lambda: {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()}
+    snapshots = [grads()]  # before W; at its span's entry and exit; after W
+
+    class Watching(timeline.Timeline):
+        @contextmanager
+        def _record(self, kind, microbatch, info):
+            watched = [grads] if kind == "W" else []  # the snapshots at W's entry and exit
+            snapshots.extend(take() for take in watched)
+            yield
+            snapshots.extend(take() for take in watched)
+
+    previous = timeline.install(Watching(0, torch.device("cpu")))
+    try:
+        stage.backward_weights(0)
+    finally:
+        timeline.install(previous)
+    snapshots.append(grads())
+    if len(snapshots) != 4:
+        return [f"W recorded {len(snapshots) // 2 - 1} spans, expected one"]
+    before, entry, exit_, after = snapshots
+    outside = changed(before, entry) + changed(exit_, after)
+    return outside or ([] if changed(entry, exit_) else ["W changed no gradient inside its span"])
+
+
+def check_w_in_its_box(model, stage_module, timeline, store):
+    """Step 08: every weight gradient W computes is computed inside W's timeline span, so that the bubble counts
+    W's work as busy time where it runs. Control: a stage whose backward_weights runs the W before an empty span
+    (its work outside its box, counted as idle) must fail."""
+    outside = w_outside_its_box(model, stage_module, timeline, store)
+    if outside:
+        return f"W's work outside its span: {outside[:4]}"
+
+    class EmptyBox(stage_module.PipelineStage):
+        def backward_weights(self, mb):
+            store.WeightGradStore.pop((self.chunk, mb))
+            with timeline.span("W", mb, chunk=self.chunk):
+                pass
+
+    if not w_outside_its_box(model, stage_module, timeline, store, EmptyBox):
+        return "control: a W that works before its span passed all the same"
     return None
 
 
@@ -268,7 +330,10 @@ def main(step_dir):
     report = dict(bubble=check_bubble(timeline), timeline_off=check_timeline_off(timeline),
                   cuda_timing=check_cuda_timing(on_cuda), cuda_timing_controls=check_cuda_timing_controls(timeline))
     if os.path.exists(os.path.join(step_dir, "weight_grad_store.py")):  # step 08's backward split into B and W
+        import stage
+        import weight_grad_store
         report["split_bubble"] = check_split_bubble(timeline)
+        report["w_in_its_box"] = check_w_in_its_box(model, stage, timeline, weight_grad_store)
     has_meter = os.path.exists(os.path.join(step_dir, "support", "memory.py"))  # step 02 on
     if has_meter:
         from support import memory

@@ -9,8 +9,6 @@ tensor, bitwise: weights (step 07: the fp32 masters), AdamW's moments and step c
 (step, shape; step 07: the loss scaler). The losses come from --log-json, the gradients of the first
 resumed step from the worker's records (TP shards put back together)."""
 import json
-import os
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -20,17 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import harness
+from checkpoint_inputs import SMALL, bad_inputs, damage, parse_as_rank_0, step_name, taken_inputs
 from harness import REPO, RunFailed, launch
 
 WORKER = REPO / "tests" / "check_checkpoints.py"
-SMALL = ["--device", "cpu", "--hidden", "32", "--layers", "4", "--heads", "2", "--seq-len", "16",
-         "--batch-size", "8", "--microbatches", "4", "--timeout", "60"]
 RESHARD_RTOL = 1e-6
-
-
-def step_name(step: int) -> str:
-    return f"step{step:08d}"
 
 
 class Plan:
@@ -41,12 +33,14 @@ class Plan:
 
     def run(self, name, *flags, steps=6, every=3, grads_at=None, resume=None, resume_in=None, **hooks):
         """A train.py run saving into out/name (every `every` steps) and logging into out/name.jsonl; it
-        resumes from a copy of out/<resume>'s step-3 checkpoint, or from out/<resume_in> itself."""
+        resumes from a copy of out/<resume>'s step-3 checkpoint, its log out/name.jsonl holding out/<resume>.jsonl's
+        lines before step 3, or from out/<resume_in> itself."""
         case = dict(flags=[*SMALL, *flags, "--steps", str(steps), "--save", str(self.out / name),
                            "--save-every", str(every), "--log-json", str(self.out / f"{name}.jsonl")], name=name,
                     **hooks)
-        if resume:
+        if resume:  # the checkpoint and the log of a run that saved step 3 and stopped
             case["copy"] = [str(self.out / resume / step_name(3)), str(self.out / name / step_name(3))]
+            case["log_head"] = [str(self.out / f"{resume}.jsonl"), str(self.out / f"{name}.jsonl"), 3]
         if resume or resume_in:
             case["flags"] += ["--resume", str(self.out / (resume_in or name))]
         if grads_at is not None:
@@ -90,8 +84,13 @@ def checkpoint_differences(a: Path, b: Path) -> list:
     return problems
 
 
+def records(path: Path) -> list:
+    """The step records of a --log-json file, in its order."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if isinstance(r, dict) and "step" in r]
+
+
 def losses(path: Path) -> dict:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in records(path)}
 
 
 def whole_grads(case_dir: Path) -> dict:
@@ -122,9 +121,14 @@ def grad_differences(a: Path, b: Path, rtol: float) -> list:
 
 
 def bitwise_resume_problems(out: Path, straight: str, resumed: str) -> list:
-    """The resumed run against the uninterrupted one: its losses, then its final checkpoint, bitwise."""
+    """The resumed run against the uninterrupted one: its log (the earlier run's lines before step 3 as they
+    were, then steps 3, 4, 5), its losses, then its final checkpoint, bitwise."""
     mine, theirs = losses(out / f"{resumed}.jsonl"), losses(out / f"{straight}.jsonl")
-    problems = [] if sorted(mine) == [3, 4, 5] else [f"{resumed} logged steps {sorted(mine)}, not 3, 4, 5"]
+    steps, lines = [r["step"] for r in records(out / f"{resumed}.jsonl")], (out / f"{straight}.jsonl").read_text()
+    problems = [] if steps == list(range(6)) else [f"{resumed}'s log holds steps {steps}, not 0 to 5: the earlier "
+                                                   "run's records, then the resumed run's"]
+    if not (out / f"{resumed}.jsonl").read_text().startswith("".join(lines.splitlines(True)[:3])):
+        problems.append(f"{resumed}'s log does not begin with the earlier run's lines of steps 0-2, as they were")
     problems += [f"{resumed}: loss at step {s} is {v!r}, uninterrupted {theirs[s]!r}" for s, v in mine.items()
                  if v != theirs.get(s)]
     return problems + checkpoint_differences(out / straight / step_name(6), out / resumed / step_name(6))
@@ -267,46 +271,6 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(checkpoint_runs):
     assert losses(out / "after_crash.jsonl")[2] == losses(out / "a.jsonl")[2]
 
 
-def damage(out: Path):
-    """Copies of run a's checkpoints (steps 3 and 6), damaged as a disk or a user might: damaged/ with step 6's
-    first file cut to 1000 bytes, missing/ with step 6's last file deleted, old/ as saved before record.json
-    existed, garbage/ (no record either) with DCP's index overwritten, nothing_intact/ with both damaged."""
-    for name in ("damaged", "missing", "old", "garbage", "nothing_intact"):
-        shutil.rmtree(out / name, ignore_errors=True)
-        shutil.copytree(out / "a", out / name)
-    os.truncate(sorted((out / "damaged" / step_name(6)).glob("*.distcp"))[0], 1000)
-    sorted((out / "missing" / step_name(6)).glob("*.distcp"))[-1].unlink()
-    for folder in (out / "old").glob("step*"):
-        (folder / "record.json").unlink()
-    shutil.rmtree(out / "garbage" / step_name(6))
-    (out / "garbage" / step_name(3) / "record.json").unlink()
-    (out / "garbage" / step_name(3) / ".metadata").write_text("garbage")
-    sorted((out / "nothing_intact" / step_name(6)).glob("*.distcp"))[-1].unlink()
-    os.truncate(sorted((out / "nothing_intact" / step_name(3)).glob("*.distcp"))[0], 1000)
-
-
-def taken_inputs(out: Path):
-    """(flags, the texts of the one line an accepted --resume prints): the checkpoint it takes, what it skips."""
-    cases = [(["--resume", str(out / "damaged")], [f"resuming from {out / 'damaged' / step_name(3)}; skipped "
-                                                   f"{step_name(6)}: ", "has 1000 bytes, its record says"]),
-             (["--resume", str(out / "missing")], [f"resuming from {out / 'missing' / step_name(3)}; skipped",
-                                                   "is missing"]),
-             (["--resume", str(out / "a" / step_name(3))], [f"resuming from {out / 'a' / step_name(3)}"]),
-             (["--resume", str(out / "a")], [f"resuming from {out / 'a' / step_name(6)}"]),  # the control: intact
-             (["--resume", str(out / "old")], [f"resuming from {out / 'old' / step_name(6)} unchecked"])]
-    return [([*SMALL, "--pp", "1", *flags, "--steps", "10"], texts) for flags, texts in cases]
-
-
-def parse_as_rank_0(step_dir: Path, out: Path, cases) -> list:
-    """tests/check_bad_flags.py on each case's flags, rank 0 of 1: [{exit_code, last_line, printed}]."""
-    (out / "cases.json").write_text(json.dumps([[1, flags] for flags, _ in cases]))
-    done = harness.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir),
-                        str(out / "cases.json")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 def test_a_failed_save_stops_the_run_with_one_line(checkpoint_runs):
     """Rank 1's file of the save after step 4 cannot be written (OSError ENOSPC, as on a full disk): every rank
     exits with code 1, and the one `error:` line, rank 0's, names the folder, the OS error and the last
@@ -322,44 +286,6 @@ def test_a_failed_save_stops_the_run_with_one_line(checkpoint_runs):
     assert "Traceback" not in logs[0] + logs[1], logs[0][-2000:] + logs[1][-2000:]
     assert (out / "full" / step_name(2) / "record.json").is_file() and not (out / "full" / step_name(4)).exists()
     assert "error: " not in (out / "launch2_a" / "rank0.log").read_text()
-
-
-def bad_inputs(out: Path, step: str, earlier: Path):
-    """(flags, the texts the refusal's line must hold) for a step, around the checkpoints of its runs and of
-    step 03's runs (earlier)."""
-    (out / "empty").mkdir(exist_ok=True)
-    (out / "unfinished").mkdir(exist_ok=True)
-    shutil.copytree(out / "a" / step_name(3), out / "unfinished" / f"{step_name(3)}.tmp", dirs_exist_ok=True)
-    damage(out)
-    a = str(out / "a")
-    cases = [
-        (["--resume", str(out / "empty")], ["--resume", "holds no checkpoint", "no folder stepNNNNNNNN"]),
-        (["--resume", str(out / "unfinished")], ["--resume", "holds no checkpoint", "never finished"]),
-        (["--resume", str(out / "damaged" / step_name(6)), "--steps", "10"],
-         [f"--resume {out / 'damaged' / step_name(6)} fails its check", "has 1000 bytes, its record says"]),
-        (["--resume", str(out / "garbage"), "--steps", "10"],
-         [f"--resume {out / 'garbage' / step_name(3) / '.metadata'} cannot be read"]),
-        (["--resume", str(out / "nothing_intact"), "--steps", "10"],
-         ["no checkpoint passes its check", f"{step_name(6)}: ", "is missing", f"{step_name(3)}: ", "1000 bytes"]),
-        (["--resume", a, "--hidden", "64", "--steps", "10"], ["--hidden 32", "this run has --hidden 64"]),
-        (["--resume", a, "--layers", "8", "--steps", "10"], ["--layers 4", "this run has --layers 8"]),
-        (["--resume", a, "--steps", "6"], ["at step 6", "--steps 6", "nothing is left"]),
-        (["--save", str(out / "s"), "--save-every", "0"], ["--save-every 0", "at least 1"]),
-        (["--save", str(out / "s"), "--keep", "0"], ["--keep 0", "at least 1"]),
-        (["--save", "/sys/checkpoints"], ["--save /sys/checkpoints", "cannot be written"]),
-        (["--save", str(out / "a.jsonl")], ["a.jsonl is a file"]),
-        (["--save", "/no/such/folder/ckpt"], ["/no/such/folder", "does not exist"]),
-    ]
-    if step >= "step04":
-        cases += [(["--schedule", "pipedream", "--save", str(out / "s")], ["--save does not fit --schedule pipedream"]),
-                  (["--schedule", "pipedream-2bw", "--resume", a, "--steps", "10"],
-                   ["--resume does not fit --schedule pipedream-2bw", "no step boundary"])]
-    if step >= "step07":
-        cases += [(["--resume", str(out / "b"), "--precision", "fp16", "--steps", "10"],
-                   ["saved in bf16 with no dynamic loss scaler", "--precision fp16"]),
-                  (["--resume", str(earlier / "a"), "--steps", "10"],
-                   ["does not record precision, tie_embeddings", "an earlier step of the course"])]
-    return [([*SMALL, "--pp", "1", *flags], texts) for flags, texts in cases]
 
 
 @pytest.mark.parametrize("step", ["step03_afab", "step04_1f1b", "step07_mixed_precision"])
@@ -379,8 +305,9 @@ def test_bad_checkpoint_flags_are_refused_with_one_line(step, step_dirs, checkpo
 @pytest.mark.parametrize("step", ["step03_afab", "step07_mixed_precision"])
 def test_resume_takes_the_newest_checkpoint_that_passes_its_check(step, step_dirs, checkpoint_runs):
     """--resume DIR takes the newest checkpoint whose files match record.json and says in one line which, and
-    why it skipped a newer one (cut short, a file missing); DIR/stepNNNNNNNN takes that one; a checkpoint
-    without record.json (an older save) is taken unchecked. The control: an intact DIR gives its newest."""
+    why it skipped a newer one (cut short, a file missing, a bit flipped: the same length, another CRC-32);
+    DIR/stepNNNNNNNN takes that one, DIR/stepNNNNNNNN/ too; a checkpoint without record.json (an older save)
+    is taken unchecked. The control: an intact DIR gives its newest."""
     out = checkpoint_runs(step)
     damage(out)
     cases = taken_inputs(out)

@@ -1,7 +1,8 @@
 """The GPU path's decisions, proven on a CPU: CUDA faked where a decision reads it, NCCL's own error texts.
 
   * the device is decided once per node, the same on every rank: --device cuda with fewer GPUs than the
-    node's ranks refuses with one line, --device auto falls back to the CPU and its first rank says why;
+    node's ranks refuses with one line, --device auto falls back to the CPU and its first rank says why; in a job
+    of two nodes each node counts its own ranks (LOCAL_WORLD_SIZE), not the job's (WORLD_SIZE);
   * a step's clock is read after one synchronize of the GPU, outside the schedule, and only on CUDA;
   * gloo's and NCCL's timeout and closed-connection texts are told apart from any other error, which
     p2p._guarded raises with its own message (never as a deadlock);
@@ -46,13 +47,14 @@ def reports(step_dirs):
 
 
 def device_problems(devices) -> list:
-    """What is wrong with the per-rank device outcomes {"choice gpus local_world local_rank": [outcome, notes]}."""
+    """What is wrong with the per-rank device outcomes {"choice gpus local_world nodes local_rank": [outcome, notes]}:
+    each node decides from its own GPUs and ranks, whatever the job's size."""
     problems, nodes = [], {}
     for key, (outcome, notes) in devices.items():
-        choice, gpus, local_world, local_rank = key.split()
-        nodes.setdefault((choice, int(gpus), int(local_world)), {})[int(local_rank)] = outcome, notes
-    for (choice, gpus, local_world), ranks in nodes.items():
-        name = f"--device {choice} on a node of {gpus} GPUs and {local_world} ranks"
+        choice, gpus, local_world, n_nodes, local_rank = key.split()
+        nodes.setdefault((choice, int(gpus), int(local_world), int(n_nodes)), {})[int(local_rank)] = outcome, notes
+    for (choice, gpus, local_world, n_nodes), ranks in nodes.items():
+        name = f"--device {choice} on a node of {gpus} GPUs and {local_world} ranks, in a job of {n_nodes} node(s)"
         outcomes = {json.dumps([kind, re.sub(r" \(rank \d+\)$", "", what)]) for (kind, what), _ in ranks.values()}
         if len(outcomes) != 1:
             problems.append(f"{name}: the ranks decide differently: {sorted(outcomes)}")
@@ -141,12 +143,20 @@ def test_nccl_starts_eagerly_without_the_serialisation_warning(step, reports):
 def test_the_checks_fail_planted_wrong_reports():
     """Controls, each the behaviour before issue 40: ranks 2 and 3 of a 2-GPU node crash on 'invalid device
     ordinal' under --device auto; the clock stops before the GPU has finished; NCCL's timeout is not recognised
-    and every error becomes a deadlock; every rank prints PyTorch's serialisation warning."""
-    good = {f"auto 2 4 {r}": [["device", "cpu"], [] if r else ["note: --device auto ... 2 GPUs ..."]] for r in range(4)}
+    and every error becomes a deadlock; every rank prints PyTorch's serialisation warning. And a node of a
+    two-node job that counts the job's ranks as its own: it falls back to the CPU, or refuses, with GPUs enough."""
+    good = {f"auto 2 4 1 {r}": [["device", "cpu"], [] if r else ["note: --device auto ... 2 GPUs ..."]]
+            for r in range(4)}
     assert device_problems(good) == []
-    crashed = dict(good, **{f"auto 2 4 {r}": [["crash", "CUDA error: invalid device ordinal"], []] for r in (2, 3)})
+    crashed = dict(good, **{f"auto 2 4 1 {r}": [["crash", "CUDA error: invalid device ordinal"], []] for r in (2, 3)})
     assert device_problems(crashed)
-    assert device_problems(dict(good, **{"auto 2 4 1": [["device", "cpu"], ["note: --device auto ... 2 GPUs ..."]]}))
+    assert device_problems(dict(good, **{"auto 2 4 1 1": [["device", "cpu"], ["note: --device auto ... 2 GPUs ..."]]}))
+    # two nodes of 4 GPUs and 4 ranks each, decided as if the node held the job's 8 ranks: CPU, and a refusal
+    whole_job = {f"auto 4 4 2 {r}": [["device", "cpu"], [] if r else ["note: --device auto ... 4 GPUs ..."]]
+                 for r in range(4)}
+    assert device_problems(whole_job)
+    assert device_problems({f"cuda 4 4 2 {r}": [["refused", "error: --device cuda needs a GPU for each of the 8 ranks "
+                                                 "on this node, which has 4"], []] for r in range(4)})
     early_clock = (["reset_peak"] + STEP_CALLS) * 2
     assert timing_problems(early_clock, True, early_clock) and not timing_problems(STEP_CALLS, False, STEP_CALLS)
     twice = ["start_step", "clock", "compute", "sync", "optimizer", "sync", "clock", "end_step"]

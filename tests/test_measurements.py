@@ -31,7 +31,7 @@ def measures(step_dir):
 def test_measuring_code_gives_known_answers(step, step_dirs):
     report = measures(step_dirs[step])
     assert len(report) >= 2 and not any(report.values()), report
-    assert ("split_bubble" in report) == (step in SPLIT_STEPS), report
+    assert ("split_bubble" in report) == ("w_in_its_box" in report) == (step in SPLIT_STEPS), report
     assert step < "step02" or "meter" in report, f"{step}: the activation meter (support/memory.py) went unchecked"
 
 

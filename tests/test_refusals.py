@@ -134,6 +134,24 @@ def test_an_output_replaces_only_a_file_the_course_wrote(step_dirs, tmp_path):
     assert (tmp_path / "theirs.json").read_text() == '{"traceEvents": []}'
 
 
+# Another trainer's JSON-lines log: records with step and loss, as the course's have, and its own keys besides.
+THEIR_LOG = "".join(f'{{"step": {k}, "loss": {5.5 - k / 10}, "learning_rate": 0.0003, "epoch": {k / 100}}}\n'
+                    for k in range(3))
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_another_trainers_log_is_never_replaced(step, step_dirs, tmp_path):
+    """--log-json at another tool's training log, whose records have step and loss keys as the course's do:
+    train.py refuses it in one line naming the flag and the path, exit code 2, and the file keeps every byte.
+    Every step (config.py is each step's own). The control, a log the course wrote replaced with a line that
+    says so, is test_an_output_replaces_only_a_file_the_course_wrote's."""
+    (tmp_path / "theirs.jsonl").write_text(THEIR_LOG)
+    code, printed = tiny_run(step_dirs[step], tmp_path, "--log-json", "theirs.jsonl")
+    assert code == 2, printed[-2000:]
+    assert len(printed.splitlines()) == 1 and printed.startswith("error: --log-json theirs.jsonl "), printed[-2000:]
+    assert (tmp_path / "theirs.jsonl").read_text() == THEIR_LOG and not list(tmp_path.glob("*.tmp"))
+
+
 def test_the_memory_budget_counts_the_address_space_limit(step_dirs, tmp_path):
     """Under `ulimit -v` 2.5 GiB a model that needs at least 2.2 GiB (--hidden 1024) is refused before any work,
     naming the limit: torch maps about 0.6 GiB already. The control: without the limit it is accepted."""

@@ -13,7 +13,7 @@ STEP = "step08_dualpipe"
 SMALL = ["--device", "cpu", "--pp", "2", "--microbatches", "4", "--batch-size", "8", "--layers", "4",
          "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", "60"]
 COURSE = [["--schedule", "afab"], ["--schedule", "1f1b"], ["--schedule", "interleaved", "--virtual-stages", "2"],
-          ["--schedule", "zb1p"], ["--schedule", "dualpipev"]]
+          ["--schedule", "zb1p"], ["--schedule", "dualpipev"], ["--schedule", "zbv"], ["--schedule", "looped-bfs"]]
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +70,11 @@ def test_a_deadlocking_list_names_where_each_rank_waits(lab):
         lab.lower(plan)
 
 
-def test_each_course_schedule_runs_bitwise_as_a_list(step_dirs, tmp_path):
-    """Each hand-written schedule's recorded list, run by the list runtime, gives bitwise its gradients;
-    the same list on the next batch must not (control). One launch of two ranks for all five."""
+def test_each_schedule_dumped_runs_back_bitwise(step_dirs, tmp_path):
+    """For each schedule of the step that PyTorch's format holds (all but dualpipe and PipeDream's), the file
+    `train.py --dump-schedule` writes, run back through --schedule-file, gives bitwise the gradients of the
+    schedule's own function; the same list on the next batch must not (control). One launch of two ranks for
+    all seven (tests/check_lab_lists.py)."""
     cases = [SMALL + c for c in COURSE]
     launch([sys.executable, str(REPO / "tests" / "check_lab_lists.py"), str(step_dirs[STEP]), str(tmp_path),
             json.dumps(cases)], 2, tmp_path, timeout=240)
@@ -141,11 +143,15 @@ def test_bad_input_gets_one_line_before_any_work(tmp_path, rows, flags, line):
 @pytest.mark.parametrize("rows, line", [
     ("0F0,0B1,0F1,0B0\n1F0,1B0,1F1,1B1\n", "rank 0, action 1 0B1: before its 0F1"),  # invalid
     ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlock: rank 0 waits at 0B0; rank 1 waits at 1F1"),
+    ("0F0,0B0,0F1,0B1\n1F0,1B0,1F1,1B1\n", "rank 0: 0F2 is missing"),  # --microbatches 3: microbatch 2 never runs
 ])
 def test_invalid_and_deadlocking_lists_fail_naming_rank_and_action(tmp_path, rows, line):
+    """The lab's verdict on a list that is out of order, deadlocks, or never names a microbatch of
+    --microbatches (a complete list of fewer microbatches would train on less than the batch)."""
     path = tmp_path / "list.csv"
     path.write_text(rows)
-    done = run_lab(path, "--pp", "2", "--microbatches", "2", "--no-run")
+    m = "3" if "missing" in line else "2"
+    done = run_lab(path, "--pp", "2", "--microbatches", m, "--no-run")
     assert done.returncode == 1 and line in done.stdout and "FAIL" in done.stdout, done.stdout + done.stderr
 
 

@@ -7,7 +7,7 @@ import pytest
 import formulas
 from conftest import STEPS
 import harness
-from harness import REPO, launch, memory_report_problems
+from harness import REPO, launch, memory_report_problems, throughput_problem
 
 SCHEDULED = [s for s in STEPS if s >= "step04"]  # steps whose schedule.py offers a choice of schedules
 
@@ -86,9 +86,12 @@ def test_printed_formulas_match_the_papers(step, step_dirs):
 
 
 # Through train.py's own log, with data parallelism (the equivalence runs check the meter against the
-# formula in many more layouts, every schedule included): one case per step, its newest flushed schedule.
+# formula in many more layouts, every schedule included): one case per step, its newest flushed schedule
+# (step 03: afab, its only one, which has neither --schedule nor --deallocate).
 MEMORY_CASES = [(step, "zb1p", 2, 2, 4, 1) if step >= "step08" else (step, "interleaved", 2, 2, 2, 2)
                 if step >= "step05" else (step, "1f1b", 2, 2, 4, 1) for step in SCHEDULED]
+MEMORY_CASES.insert(0, ("step03_afab", "afab", 2, 2, 4, 1))
+SEQ_LEN = 16
 
 
 @pytest.mark.parametrize("step, schedule, pp, dp, m, v", MEMORY_CASES)
@@ -96,15 +99,24 @@ def test_measured_peak_activations_match_formula(step, schedule, pp, dp, m, v, s
     """train.py's log and its printed report give each rank's peak of stored microbatches as its own stage's
     formula says (with dp 2, rank r is stage r // 2); and each rank
     all-reduces its gradients once per step, after its last backward (after its last W, in zb1p: the
-    weight gradients are complete only then)."""
-    replay_passes(step, schedule)
+    weight gradients are complete only then). The same run's tokens_per_s, logged and printed, counts every
+    replica's tokens: --batch-size x --seq-len over the step's time (control: one replica's, half that, fails)."""
+    if step in SCHEDULED:
+        replay_passes(step, schedule)
     log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
-    flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
-             "--batch-size", str(dp * m), "--layers", "8", "--hidden", "32", "--heads", "2", "--seq-len", "16",
-             "--steps", "2", "--deallocate", "--log-json", str(log), "--trace", str(trace), "--timeout", "60"]
+    flags = ["--device", "cpu", "--pp", str(pp), "--dp", str(dp), "--microbatches", str(m), "--batch-size",
+             str(dp * m), "--layers", "8", "--hidden", "32", "--heads", "2", "--seq-len", str(SEQ_LEN), "--steps", "2",
+             "--log-json", str(log), "--trace", str(trace), "--timeout", "60"]
+    if step in SCHEDULED:
+        flags += ["--schedule", schedule, "--deallocate"]
     if v > 1:
         flags += ["--virtual-stages", str(v)]
     stdout = launch([sys.executable, str(step_dirs[step] / "train.py"), *flags], pp * dp, tmp_path, timeout=120)[0]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    tokens = dp * m * SEQ_LEN
+    assert throughput_problem(records, stdout, tokens) is None, throughput_problem(records, stdout, tokens)
+    one_replica = [dict(r, tokens_per_s=r["tokens_per_s"] / dp) for r in records]
+    assert throughput_problem(one_replica, stdout, tokens) is not None
     # the printed report, row by row (control: a report read with each rank on the wrong stage must differ)
     assert not memory_report_problems(stdout, schedule, pp, dp, 1, m, v), memory_report_problems(stdout, schedule, pp,
                                                                                                  dp, 1, m, v)
