@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from conftest import STEPS
-from harness import (REPO, RTOL, WEIGHT_RTOL, compare_case, fault_run, launch, memory_errors, run_cases,
+from fault_runs import fault_run
+from harness import (REPO, RTOL, WEIGHT_RTOL, compare_case, launch, memory_errors, run_cases,
                      versions_errors)
 from test_equivalence import PIPEDREAM, TINY, tolerances
 

@@ -1,7 +1,7 @@
 """A rank stopped (kill -STOP) or killed (kill -9) mid-run, as a user would: each survivor ends with one line
 that names the rank that stalled or is gone, and what it was doing (faults.py).
 
-The ranks start with the environment torchrun gives them (harness.fault_run); the runs of this file go
+The ranks start with the environment torchrun gives them (fault_runs.fault_run); the runs of this file go
 RUNS_AT_ONCE at a time, and each must log two steps within START_DEADLINE before the signal."""
 import re
 import signal
@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import STEPS
-from harness import agent_store, fault_run, rank_env, torchrun_argv
+from fault_runs import fault_run
+from harness import agent_store, rank_env, torchrun_argv
 
 # The machinery that notices a stalled or dead peer is the same file in every step (FAULT_FILES, checked by
 # test_the_fault_machinery_is_the_same_in_every_step). What differs is where each step waits. So every step's
@@ -52,7 +53,7 @@ def world_of(layout) -> int:
 
 
 def fault(step_dir, layout, folder, signal_number, timeout):
-    """harness.fault_run of a small model on world_of(layout) ranks: the last rank gets `signal_number` once
+    """fault_runs.fault_run of a small model on world_of(layout) ranks: the last rank gets `signal_number` once
     two steps are logged; the survivors have --timeout and 60 s more to exit."""
     cmd = [sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "10000", "--layers", "3",
            "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", str(timeout),
