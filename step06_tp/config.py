@@ -31,6 +31,7 @@ class ConfigError(ValueError):
 
 REFUSAL_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after a refusal (refuse)
 MIN_TIMEOUT_S = 1.0  # --timeout's floor: the start-up's rendezvous runs under the same timeout
+MAX_TIMEOUT_S = 1e9  # its ceiling: gloo and NCCL hold it in 64-bit nanoseconds (at most 9.2e9 s)
 MAX_SEED = (2**64 - 2**32) // 1_000_003  # model.py seeds with seed * 1_000_003 + crc32(name) < 2**64
 ADD_ONS = (pipedream,)  # the schedule families beside schedule.py, each with its own flags and rules
 SCHEDULE_NAMES = [name for module in (schedule, *ADD_ONS) for name in module.SCHEDULES]
@@ -238,6 +239,9 @@ def check_numbers(args):
     if args.timeout < MIN_TIMEOUT_S:
         raise ConfigError(f"--timeout {args.timeout} must be at least {MIN_TIMEOUT_S:g} s: it also bounds the "
                           "start-up, where every rank must reach the rendezvous and connect to its peers")
+    if args.timeout > MAX_TIMEOUT_S:
+        raise ConfigError(f"--timeout {args.timeout:g} must be at most {MAX_TIMEOUT_S:g} s: gloo and NCCL count it "
+                          "in nanoseconds in a 64-bit integer")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed {args.seed} must be between 0 and {MAX_SEED}: the weights' generators are "
                           "seeded with seed x 1000003 + a 32-bit hash, which must fit in 64 bits")
