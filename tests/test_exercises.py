@@ -116,6 +116,8 @@ def test_bad_input_gets_one_clear_line(tmp_path):
     code, lines = run_cli("check", "04.nothing")
     assert code == 2 and len(lines) == 1 and "no exercise '04.nothing'" in lines[0], lines
     code, lines = run_cli("check", "04.1f1b", "--step-dir", str(tmp_path / "absent"))
+    assert code == 2 and len(lines) == 1 and "absent does not exist" in lines[0], lines
+    code, lines = run_cli("check", "04.1f1b", "--step-dir", str(tmp_path))
     assert code == 2 and len(lines) == 1 and "no train.py" in lines[0], lines
     code, lines = run_cli("check", "04.1f1b", "--step-dir", "step05_interleaved")
     assert code == 2 and len(lines) == 1 and "made from step05_interleaved" in lines[0], lines
@@ -277,7 +279,7 @@ def test_a_mistake_is_diagnosed_under_force_color():
     assert not [line for line in coloured.splitlines() if line.startswith("E ")]
     assert exercise.pytest_diagnosis(exercise.ANSI.sub("", coloured), REPO) == ["AssertionError: hysteresis counts overflows"]
     env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "40", "TERM": "xterm-256color"}
-    done = subprocess.run([sys.executable, "tests/exercise.py", "mistake", "07.scaler", "0"], cwd=REPO,
+    done = subprocess.run([sys.executable, "tests/exercise.py", "mistake", "07.scaler", "1"], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env=env)
     assert "hysteresis counts overflows" in done.stdout and "\x1b[" not in done.stdout, done.stdout + done.stderr
     assert len(done.stdout.splitlines()) <= 20, done.stdout
