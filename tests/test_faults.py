@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import STEPS
-from harness import fault_run, free_port, rank_env
+from harness import REPO, fault_run, free_port, rank_env
 
 # The machinery that notices a stalled or dead peer is the same file in every step (FAULT_FILES, checked by
 # test_the_fault_machinery_is_the_same_in_every_step). What differs is where each step waits. So every step's
@@ -197,6 +197,33 @@ def test_ctrl_c_ends_every_rank_with_one_line(step_dirs, tmp_path):
     assert folder.startswith(str(tmp_path / "ck" / "step")) and int(folder[-8:]) <= int(step), outputs[0][-500:]
     old = ["Traceback (most recent call last):\n  ...\nKeyboardInterrupt"] * 2
     assert interrupt_problems([1, 1], old), "the control passed the check"
+
+
+def interrupt_early(cmd, delay_s: float = 0.3):
+    """SIGINT to both ranks of `cmd` delay_s after they start (while torch loads): (exit codes, outputs)."""
+    port = free_port()
+    ranks = [subprocess.Popen(cmd, cwd=REPO, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        time.sleep(delay_s)
+        for p in ranks:
+            p.send_signal(signal.SIGINT)
+        outputs = [p.communicate(timeout=60)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in ranks], outputs
+
+
+def test_ctrl_c_while_torch_loads_ends_with_the_same_line(step_dirs):
+    """SIGINT 0.3 s after two ranks of step 01 start, while they import torch: exit code 130 on both and rank 0's
+    one line, no traceback (train.py installs support/progress.py's handler before it imports torch). The
+    control: a process that imports torch with Python's default handler fails the same check."""
+    cmd = [sys.executable, str(step_dirs[STEPS[0]] / "train.py"), "--device", "cpu", "--steps", "100000"]
+    problems = interrupt_problems(*interrupt_early(cmd))
+    assert not problems, problems
+    assert interrupt_problems(*interrupt_early([sys.executable, "-c", "import time, torch; time.sleep(60)"]))
 
 
 OUT_OF_MEMORY = """
