@@ -101,7 +101,7 @@ LAB = [
     (["ok.csv", "--pp", "2", "--microbatches", "1", "--png", "link.png"], 2, "--png link.png is a symbolic link"),
     (["ok.csv", "--pp", "2", "--microbatches", "1", "--times", "1:0:1"], 2, "--times 1:0:1 must be three positive"),
     (["ok.csv", "--pp", "2", "--microbatches", "1", "--challenge", "nope"], 2, "invalid choice: 'nope'"),
-    (["ok.csv", "--pp", "2", "--microbatches", "1", "--step-dir", "folder"], 2, "--step-dir folder has no schedule_lab"),
+    (["ok.csv", "--pp", "2", "--microbatches", "1", "--step-dir", "folder"], 2, "--step-dir folder has no"),
     (["bad-action.csv", "--pp", "2", "--microbatches", "1"], 2, "rank 0, action 1 '0X0': unknown action"),
     (["ok.csv", "--pp", "3", "--microbatches", "1"], 2, "the list has 2 rows (ranks), but --pp is 3"),
     (["stage-7.csv", "--pp", "2", "--microbatches", "1"], 2, "rank 1, action 0 7F0: stage 7 does not exist"),
@@ -133,7 +133,8 @@ def scratch(folder: Path):
     """A user's folder of awkward things, which every input points at."""
     for name, data in [("holiday.png", b"\x89PNG holiday"), ("theirs.json", b'{"traceEvents": []}'),
                        ("theirs.jsonl", b'{"step": 0, "loss": 1.0}\n'), ("notes.txt", b"mine\n"), ("ours.json", OURS),
-                       ("empty.json", b""), ("my-list.csv", b"0F0,0B0\n"), ("ok.csv", LIST), ("one.csv", b"0F0,0B0\r\n"),
+                       ("empty.json", b""), ("my-list.csv", b"0F0,0B0\n"), ("ok.csv", LIST),
+                       ("one.csv", b"0F0,0B0\r\n"),
                        ("latin1.csv", b"0F0,0B\xe90\r\n"), ("latin1-2.csv", b"0F0,0B\xe90\r\n1F0,1B0\r\n"),
                        ("utf16.csv", "0F0,0B0\r\n".encode("utf-16")), ("bom.csv", b"\xef\xbb\xbf0F0,0B0\r\n"),
                        ("bom-2.csv", b"\xef\xbb\xbf" + LIST), ("bad-action.csv", b"0F0,0X0\n1F0,1B0\n"),

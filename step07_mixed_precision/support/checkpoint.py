@@ -189,7 +189,9 @@ def add_flags(p):
     group.add_argument("--save", default=None, metavar="DIR", help="save checkpoints into this folder")
     group.add_argument("--save-every", type=int, default=None, metavar="N",
                        help="save every N optimizer steps (default: only after the last)")
-    group.add_argument("--keep", type=int, default=2, help="keep the newest K checkpoints in --save")
+    group.add_argument("--keep", type=int, default=2,
+                       help="keep the newest K checkpoints in --save up to each one saved (a newer one, of "
+                       "another run, stays)")
     group.add_argument("--resume", default=None, metavar="DIR",
                        help="go on from the newest checkpoint in DIR whose files match their record, or from "
                        "DIR itself if it is one (DIR/stepNNNNNNNN), up to --steps")
