@@ -1,15 +1,20 @@
-"""Drive a course tool with many hostile inputs in one process (test_hostile_inputs.py reads what it prints).
+"""Drive the course's tools with many hostile inputs in one process (test_hostile_inputs.py reads what it prints).
 
-    python tests/check_hostile.py train STEP_DIR CASES.json      train.parse_args(flags), as rank 0 of 1
-    python tests/check_hostile.py lab CASES.json                 tests/lab.py's main(argv)
-    python tests/check_hostile.py exercise COPIES CASES.json     tests/exercise.py's main(argv), copies in COPIES
-    python tests/check_hostile.py rules STEP_DIR FOLDER          the output rule and --keep, each with its control
+    python tests/check_hostile.py JOBS.json    ->  prints a JSON list, one entry per job
 
-CASES.json holds a list of argument lists. Each case prints {code, out, err}: the exit code (None: accepted),
-and what it wrote to stdout and stderr, with the traceback of anything it raised. A refusal is decided before
-any process group or work, so one Python process serves every case: starting Python and torch per input
-would cost a second or two each. `rules` plants the old behaviours (a path that reads as empty taken as the
-course's; --keep pruning by folder name) and reports what each rule and each plant let through.
+JOBS.json holds a list of jobs, run in order in this one process (one step folder per process: steps share
+module names):
+
+    {"tool": "train", "step_dir": DIR, "cases": [flags, ...]}        train.parse_args(flags), as rank 0 of 1
+    {"tool": "lab", "cases": [argv, ...]}                           tests/lab.py's main(argv), step 08
+    {"tool": "exercise", "copies": DIR, "cases": [argv, ...]}       tests/exercise.py's main(argv), copies in DIR
+    {"tool": "rules", "step_dir": DIR, "folder": DIR}               the output rule and --keep, with their plants
+
+A case's entry is {code, out, err}: the exit code (None: accepted), and what it wrote to stdout and stderr, with
+the traceback of anything it raised. A refusal is decided before any process group or work, so one process
+serves every case: starting Python and torch per input would cost a second or two each. `rules` plants the old
+behaviours (a path that reads as empty taken as the course's; --keep pruning by folder name) and reports what
+each rule and each plant let through.
 """
 import io
 import json
@@ -107,27 +112,33 @@ def rules(step_dir: str, folder: str) -> dict:
     return found
 
 
-def main(mode, *rest):
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    if mode in ("train", "rules"):
-        sys.path.insert(0, os.path.abspath(rest[0]))
-    if mode == "rules":
-        print(json.dumps(rules(*rest)))
-        return
-    cases = json.loads(Path(rest[-1]).read_text())
-    if mode == "train":
+def tool(job):
+    """The function a job's cases call, its step folder first on the path."""
+    if job.get("step_dir"):
+        sys.path.insert(0, os.path.abspath(job["step_dir"]))
+    sys.path.insert(1, str(TESTS))
+    if job["tool"] == "train":
         import train
-        call = train.parse_args
-    elif mode == "lab":
-        sys.path.insert(0, str(TESTS))
+        return train.parse_args
+    if job["tool"] == "lab":
         import lab
-        call = lab.main
-    else:
-        sys.path.insert(0, str(TESTS))
-        import exercise
-        exercise.COPIES = Path(rest[0])
-        call = exercise.main
-    print(json.dumps([captured(lambda: call(list(argv))) for argv in cases]))
+        return lab.main
+    import exercise
+    exercise.COPIES = Path(job["copies"])
+    return exercise.main
+
+
+def main(jobs_file):
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    found = []
+    for job in json.loads(Path(jobs_file).read_text()):
+        if job["tool"] == "rules":
+            sys.path.insert(0, os.path.abspath(job["step_dir"]))
+            found.append(rules(job["step_dir"], job["folder"]))
+        else:
+            call = tool(job)
+            found.append([captured(lambda: call(list(argv))) for argv in job["cases"]])
+    print(json.dumps(found))
 
 
 if __name__ == "__main__":

@@ -166,32 +166,39 @@ def fingerprint(*folders) -> dict:
     return found
 
 
-def drive(folder: Path, *argv) -> list:
-    """tests/check_hostile.py with argv, in folder: its JSON."""
-    done = run([sys.executable, str(REPO / "tests" / "check_hostile.py"), *map(str, argv)], cwd=folder,
-               capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+def drive(folder: Path, jobs: list) -> list:
+    """tests/check_hostile.py on `jobs`, in folder: one entry per job."""
+    path = folder.parent / f"{folder.name}-jobs-{jobs[0]['tool']}-{len(jobs)}.json"
+    path.write_text(json.dumps(jobs, default=str))
+    done = run([sys.executable, str(REPO / "tests" / "check_hostile.py"), str(path)], cwd=folder, capture_output=True,
+               text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
 @pytest.fixture(scope="module")
 def outcomes(step_dirs, tmp_path_factory):
-    """{tool: [(input, expected code, expected words, {code, out, err})]}, and whether any file changed."""
+    """({tool: [(input, expected code, expected words, {code, out, err})]}, the files that changed, what the
+    output rule and --keep let through, with their plants). Two processes, one per step folder."""
     folder = tmp_path_factory.mktemp("hostile")
     scratch(folder)
+    rules = folder.parent / f"{folder.name}-rules"  # outside the hashed folder: the rules write there
+    rules.mkdir()
     before = fingerprint(folder, step_dirs[FIRST], step_dirs[LAST])
     tools = {FIRST: [(f, 2 if w else None, w) for f, w in TRAIN],
              LAST: [(f, 2 if w else None, w) for f, w in TRAIN + LAST_ONLY], "lab": LAB, "exercise": EXERCISE}
-    for tool, cases in tools.items():
-        (folder.parent / f"{folder.name}-{tool}.json").write_text(json.dumps([argv for argv, _, _ in cases]))
-    jobs = {FIRST: ("train", step_dirs[FIRST]), LAST: ("train", step_dirs[LAST]), "lab": ("lab",),
-            "exercise": ("exercise", folder / "my_exercises")}
+    cases = {name: [argv for argv, _, _ in each] for name, each in tools.items()}
+    first = [dict(tool="train", step_dir=step_dirs[FIRST], cases=cases[FIRST]),
+             dict(tool="exercise", copies=folder / "my_exercises", cases=cases["exercise"])]
+    last = [dict(tool="train", step_dir=step_dirs[LAST], cases=cases[LAST]), dict(tool="lab", cases=cases["lab"]),
+            dict(tool="rules", step_dir=step_dirs[LAST], folder=rules)]
     with ThreadPoolExecutor(2) as pool:
-        found = dict(zip(jobs, pool.map(lambda t: drive(folder, *jobs[t], folder.parent / f"{folder.name}-{t}.json"),
-                                        jobs)))
+        (train_first, exercise), (train_last, lab, found_rules) = pool.map(lambda jobs: drive(folder, jobs),
+                                                                           [first, last])
     after = fingerprint(folder, step_dirs[FIRST], step_dirs[LAST])
     changed = sorted(path for path in before if before[path] != after.get(path))
-    return {tool: list(zip(*zip(*cases), found[tool])) for tool, cases in tools.items()}, changed
+    found = {FIRST: train_first, LAST: train_last, "lab": lab, "exercise": exercise}
+    return {name: list(zip(*zip(*tools[name]), found[name])) for name in tools}, changed, found_rules
 
 
 def problem(argv, code, words, got) -> str:
@@ -213,7 +220,7 @@ def problem(argv, code, words, got) -> str:
 
 @pytest.mark.parametrize("tool", [FIRST, LAST, "lab", "exercise"])
 def test_each_input_gets_one_line_and_no_traceback(tool, outcomes):
-    found, _ = outcomes
+    found = outcomes[0]
     problems = [p for p in (problem(*case) for case in found[tool]) if p]
     assert not problems, "\n".join(problems)
 
@@ -221,7 +228,7 @@ def test_each_input_gets_one_line_and_no_traceback(tool, outcomes):
 def test_nothing_of_the_users_changes(outcomes):
     """Every file that was there before the inputs, in the scratch folder and the step folders, is byte-identical
     after them (a link still points where it did, a FIFO is still a FIFO)."""
-    found, changed = outcomes
+    found, changed, _ = outcomes
     assert sum(len(cases) for cases in found.values()) >= 60
     assert not changed, changed
 
@@ -229,7 +236,7 @@ def test_nothing_of_the_users_changes(outcomes):
 def test_the_documented_reports(outcomes):
     """The reports that are not an `error:` line: another run's checkpoints named at the start; a copy Python
     cannot read shown as Python shows it (file, line, caret, message) before any check; the usage line."""
-    found, _ = outcomes
+    found = outcomes[0]
     save = next(got for argv, _, _, got in found[LAST] if argv == ["--save", "ckpt"])
     assert "note: --save ckpt holds 1 checkpoint(s) of another run" in save["err"], save
     assert "step00000058" in save["err"], save
@@ -244,13 +251,14 @@ def test_the_documented_reports(outcomes):
     assert broken[4].startswith("SyntaxError: ") and broken[5].startswith("hint: "), broken
 
 
-def test_the_output_rule_and_keep_have_controls_that_fail(step_dirs, tmp_path):
+def test_the_output_rule_and_keep_have_controls_that_fail(outcomes):
     """The output rule refuses /dev/null, a FIFO, a link to an empty file, another tool's trace and a folder,
     and takes an empty file and a new path; --keep 1, saving step 3 beside steps 1, 2 and another run's 58,
-    leaves 3 and 58. Controls: the old rule (a path that reads as empty is the course's) takes /dev/null, the
-    FIFO and the link; the old --keep (the newest by folder name) deletes this run's step 3."""
-    found = drive(tmp_path, "rules", step_dirs[LAST], tmp_path)  # support/outputs.py: the same in every step
-    assert found["rule"] == [], found
-    assert any("/dev/null" in p for p in found["rule planted"]) and any("fifo" in p for p in found["rule planted"])
-    assert found["keep"] == [], found
-    assert found["keep planted"] and "step00000003" not in found["keep planted"][0].split(",")[0], found
+    leaves 3 and 58 (step 08: support/outputs.py is the same file in every step). Controls: the old rule (a path
+    that reads as empty is the course's) takes /dev/null, the FIFO and the link; the old --keep (the newest by
+    folder name) deletes this run's step 3."""
+    found = outcomes[2]
+    assert found["rule"] == [] and found["keep"] == [], found
+    planted = found["rule planted"]
+    assert any("/dev/null" in p for p in planted) and any("fifo" in p for p in planted), found
+    assert found["keep planted"] == ["left ['step00000058'], wanted ['step00000003', 'step00000058']"], found
