@@ -111,20 +111,6 @@ def run_cli(*argv):
     return done.returncode, done.stdout.strip().splitlines()
 
 
-def test_bad_input_gets_one_clear_line(tmp_path):
-    """An unknown id, a copy that is missing, a copy made from another step: exit 2 and one line."""
-    code, lines = run_cli("check", "04.nothing")
-    assert code == 2 and len(lines) == 1 and "no exercise '04.nothing'" in lines[0], lines
-    code, lines = run_cli("check", "04.1f1b", "--step-dir", str(tmp_path / "absent"))
-    assert code == 2 and len(lines) == 1 and "absent does not exist" in lines[0], lines
-    code, lines = run_cli("check", "04.1f1b", "--step-dir", str(tmp_path))
-    assert code == 2 and len(lines) == 1 and "no train.py" in lines[0], lines
-    code, lines = run_cli("check", "04.1f1b", "--step-dir", "step05_interleaved")
-    assert code == 2 and len(lines) == 1 and "made from step05_interleaved" in lines[0], lines
-    code, lines = run_cli("list")
-    assert code == 0 and len(lines) == len(EXERCISES) + 1, lines
-
-
 def test_replay_reports_a_raising_schedule(tmp_path):
     """tests/replay.py on a copy whose 1F1B raises: every configuration reported, naming it, not a crash;
     a short summary and exit status 1 (JSON with --json)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from exercises import EXERCISES
 from harness import REPO, run
 
 FIRST, LAST = "step01_naive", "step08_dualpipe"
@@ -124,6 +125,9 @@ EXERCISE = [
     (["check", "04.1f1b", "--step-dir"], 2, "--step-dir needs a path"),
     (["check", "04.1f1b", "--step-dir", "notes.txt"], 2, "notes.txt is a file, not a copy of a step"),
     (["check", "zz.top"], 2, "no exercise 'zz.top'"),
+    (["check", "04.1f1b", "--step-dir", "folder"], 2, "folder is not a copy of a step (no train.py in it)"),
+    (["check", "04.1f1b", "--step-dir", str(REPO / "step05_interleaved")], 2, "made from step05_interleaved"),
+    (["list"], 0, None),
     (["hint", "03.afab", "3"], 0, None),
     (["check", "01.naive"], 1, None),  # a copy Python cannot read: its report (test_the_documented_reports)
 ]
@@ -235,12 +239,15 @@ def test_nothing_of_the_users_changes(outcomes):
 
 def test_the_documented_reports(outcomes):
     """The reports that are not an `error:` line: another run's checkpoints named at the start; a copy Python
-    cannot read shown as Python shows it (file, line, caret, message) before any check; the usage line."""
+    cannot read shown as Python shows it (file, line, caret, message) before any check; the usage line; the
+    catalogue, one line per exercise."""
     found = outcomes[0]
     save = next(got for argv, _, _, got in found[LAST] if argv == ["--save", "ckpt"])
     assert "note: --save ckpt holds 1 checkpoint(s) of another run" in save["err"], save
     assert "step00000058" in save["err"], save
-    usage = [got for argv, _, _, got in found["exercise"] if len(argv) < 2]
+    listed = next(got["out"] for argv, _, _, got in found["exercise"] if argv == ["list"]).splitlines()
+    assert len(listed) == len(EXERCISES) + 1 and listed[-1].startswith("start one: "), listed
+    usage = [got for argv, _, _, got in found["exercise"] if len(argv) < 2 and argv != ["list"]]
     assert all(got["out"].startswith("usage: python tests/exercise.py") for got in usage), usage
     broken = next(got["out"] for argv, _, _, got in found["exercise"] if argv == ["check", "01.naive"]).splitlines()
     assert broken[0] == "FAIL 01.naive: Python cannot read the copy, so no check runs", broken
