@@ -10,8 +10,9 @@ them on the course's code: here they must exist).
 The default run (about a minute) proves the catalogue's shape, the hints' levels (the bad-input lines are in
 test_hostile_inputs.py), the learner's notebook without the answer, a diagnosis under FORCE_COLOR, the replay's
 report, the exercises graded first without launching ranks (the replay, step 01's verbs), and that every pytest
-check names a test of the suite. The rest launches ranks for every other stub and wrong answer, every other right answer, and
-runs every check of the course's own code: it is marked `exercise_proofs`, and CI (.ci/run) runs it once,
+check names a test of the suite. The rest launches ranks for every other stub and wrong answer, every other right
+answer, and runs every check of the course's own code: it is marked `exercise_proofs`, and CI (.ci/run) runs it
+once,
 after the suite:
 
     pytest -m exercise_proofs tests/test_exercises.py
