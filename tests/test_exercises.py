@@ -12,8 +12,7 @@ test_hostile_inputs.py), the learner's notebook without the answer, a diagnosis 
 report, the exercises graded first without launching ranks (the replay, step 01's verbs), and that every pytest
 check names a test of the suite. The rest launches ranks for every other stub and wrong answer, every other right
 answer, and runs every check of the course's own code: it is marked `exercise_proofs`, and CI (.ci/run) runs it
-once,
-after the suite:
+once, after the suite:
 
     pytest -m exercise_proofs tests/test_exercises.py
 """
