@@ -56,6 +56,7 @@ def old_refusal(flag, path, kind, ours):
 
 def rule_problems(outputs, folder: Path) -> list:
     """Where the output rule lets a path through that it must refuse, or refuses one it must take."""
+    folder.mkdir()
     (folder / "empty").write_bytes(b"")
     (folder / "link-to-empty").symlink_to(folder / "empty")
     (folder / "theirs.json").write_text('{"traceEvents": []}')
@@ -73,6 +74,7 @@ def rule_problems(outputs, folder: Path) -> list:
 def keep_problems(checkpoint, folder: Path) -> list:
     """Save step 3 into a --save folder that holds steps 1, 2 and another run's 58, with --keep 1: this run's
     step 3 and the other run's step 58 must stay, steps 1 and 2 go."""
+    folder.mkdir()
     for step in (1, 2, 58):
         os.makedirs(checkpoint.folder_of(str(folder), step))
         Path(checkpoint.folder_of(str(folder), step), ".metadata").write_bytes(b"index")
@@ -91,25 +93,25 @@ def rules(step_dir: str, folder: str) -> dict:
 
     found, root = {}, Path(folder)
     for name, plant in (("rule", None), ("rule planted", old_refusal)):
-        (root / name).mkdir()
-        kept, outputs.refusal = outputs.refusal, plant or outputs.refusal
-        try:
-            found[name] = rule_problems(outputs, root / name)
-        finally:
-            outputs.refusal = kept
+        found[name] = with_plant(outputs, "refusal", plant, lambda: rule_problems(outputs, root / name))
     if not (Path(step_dir) / "support" / "checkpoint.py").is_file():
         return found
     from support import checkpoint
 
     by_name = lambda final, keep: checkpoint.complete(os.path.dirname(final))[:-keep]  # the old --keep
     for name, plant in (("keep", None), ("keep planted", by_name)):
-        (root / name).mkdir()
-        kept, checkpoint.pruned = checkpoint.pruned, plant or checkpoint.pruned
-        try:
-            found[name] = keep_problems(checkpoint, root / name)
-        finally:
-            checkpoint.pruned = kept
+        found[name] = with_plant(checkpoint, "pruned", plant, lambda: keep_problems(checkpoint, root / name))
     return found
+
+
+def with_plant(module, name: str, plant, check):
+    """check() with module.name replaced by plant (None: as it is), in a fresh folder; the module restored."""
+    kept = getattr(module, name)
+    setattr(module, name, plant or kept)
+    try:
+        return check()
+    finally:
+        setattr(module, name, kept)
 
 
 def tool(job):
