@@ -78,6 +78,7 @@ LAST_ONLY = [
     (["--resume", "nothing"], "--resume nothing does not exist"),
     (["--resume", "notes.txt"], "--resume notes.txt is a file"),
     (["--resume", "ckpt/step00000007"], "--resume ckpt/step00000007 does not exist"),
+    (["--resume", "ckpt2/step00000001"], "--resume ckpt2/step00000001 is a file"),  # named like a checkpoint
     (["--resume", "folder"], "--resume folder holds no checkpoint"),
     (["--resume", "ckpt", "--steps", "100"], "ckpt/step00000058/.metadata cannot be read"),
     (["--save", "ckpt2", "--keep", "0"], "--keep 0 must be at least 1"),
@@ -143,7 +144,8 @@ def scratch(folder: Path):
                        ("utf16.csv", "0F0,0B0\r\n".encode("utf-16")), ("bom.csv", b"\xef\xbb\xbf0F0,0B0\r\n"),
                        ("bom-2.csv", b"\xef\xbb\xbf" + LIST), ("bad-action.csv", b"0F0,0X0\n1F0,1B0\n"),
                        ("stage-7.csv", b"0F0,0B0\n7F0,7B0\n"),
-                       ("ckpt/step00000058/.metadata", b"another run's index"), ("my_exercises/03.afab", b"mine\n")]:
+                       ("ckpt/step00000058/.metadata", b"another run's index"),
+                       ("ckpt2/step00000001", b"a file named like a checkpoint"), ("my_exercises/03.afab", b"mine\n")]:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
     for name in ("folder", "dir.png"):
