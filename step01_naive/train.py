@@ -11,6 +11,9 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   train.py              this file: build, one step, the training loop
   config.py, data.py    the flags and their rules; a batch from (seed, step)
 """
+if __name__ == "__main__":  # first: Ctrl-C while torch loads ends with the course's line (support/progress.py)
+    from support.progress import stop_on_ctrl_c
+    stop_on_ctrl_c()
 import time
 from dataclasses import dataclass
 

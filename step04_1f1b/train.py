@@ -17,6 +17,9 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   config.py, data.py    the flags and their rules; a batch from (seed, step)
   pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
 """
+if __name__ == "__main__":  # first: Ctrl-C while torch loads ends with the course's line (support/progress.py)
+    from support.progress import stop_on_ctrl_c
+    stop_on_ctrl_c()
 import time
 from dataclasses import dataclass
 from functools import partial

@@ -6,11 +6,9 @@ value and the rule, instead of hanging half-way through a pipeline. Under
 torchrun every rank parses the flags; only rank 0 prints.
 """
 import argparse
-import json
 import math
 import os
 import sys
-import tempfile
 import time
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -25,7 +23,7 @@ from model import ModelConfig
 from p2p import ORDERINGS
 import pipedream
 import schedule
-from support.timeline import TRACE_MARK
+from support import outputs
 
 
 class ConfigError(ValueError):
@@ -34,6 +32,7 @@ class ConfigError(ValueError):
 
 REFUSAL_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after a refusal (refuse)
 MIN_TIMEOUT_S = 1.0  # --timeout's floor: the start-up's rendezvous runs under the same timeout
+MAX_TIMEOUT_S = 1e9  # its ceiling: gloo and NCCL hold it in 64-bit nanoseconds (at most 9.2e9 s)
 MAX_SEED = (2**64 - 2**32) // 1_000_003  # model.py seeds with seed * 1_000_003 + crc32(name) < 2**64
 ADD_ONS = (pipedream,)  # the schedule families beside schedule.py, each with its own flags and rules
 SCHEDULE_NAMES = [name for module in (schedule, *ADD_ONS) for name in module.SCHEDULES]
@@ -247,9 +246,10 @@ def check_precision(args):
                           "and every step be skipped")
     if args.loss_scale is not None:
         check_seed(args.loss_scale, args.microbatches, args.precision)
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale < math.inf:
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale <= torch.finfo(torch.float32).max:
         raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
-                          f"{args.initial_loss_scale} must satisfy 0 < min <= initial, finite")
+                          f"{args.initial_loss_scale} must satisfy 0 < min <= initial <= fp32's largest number "
+                          f"{torch.finfo(torch.float32).max:.3g}")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         raise ConfigError(f"--loss-scale-window {args.loss_scale_window} and --hysteresis {args.hysteresis} "
                           "must be at least 1")
@@ -265,54 +265,26 @@ def check_precision(args):
 
 
 def check_files(args):
-    """The data must exist and outs must have somewhere to go, before the run rather than after it."""
+    """The data must be a file, and every output have somewhere to go that holds nothing of the user's, before
+    the run rather than after it (support/outputs.py: one rule for every file the course writes)."""
     if args.data and not os.path.isfile(args.data):
-        raise ConfigError(f"--data {args.data} is not a file")
+        problem = "is a directory" if os.path.isdir(args.data) else "is not a regular file" \
+            if os.path.exists(args.data) else "does not exist"
+        raise ConfigError(f"--data {args.data} {problem}: give a text file")
     size, source = ((os.path.getsize(args.data), f"--data {args.data}") if args.data
                     else (DEFAULT_CORPUS_BYTES, "the default corpus"))
     if size < args.seq_len + 2:
         raise ConfigError(f"{source} has {size} bytes, fewer than --seq-len {args.seq_len} + 2")
-    for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
-        if path:
-            check_output(flag, path)
+    inputs = [("--data", args.data), ("--resume", getattr(args, "resume", None)),
+              ("--schedule-file", getattr(args, "schedule_file", None))]
+    problem = outputs.check_all(outputs_of(args), inputs, getattr(args, "save", None))
+    if problem:
+        raise ConfigError(problem)
 
 
-def check_output(flag: str, path: str):
-    """An output must be writable now, not only when it is written (the trace: after the whole run)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a directory: give a file name")
-    if not os.path.isdir(folder):
-        problem = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise ConfigError(f"{flag} {path}: the folder {folder} {problem}")
-    try:  # the output is written under a temporary name in the same folder, then renamed over the path
-        tempfile.NamedTemporaryFile(dir=folder).close()
-    except OSError as err:
-        raise ConfigError(f"{flag} {path} cannot be written: {err.strerror} in {folder}") from None
-    if os.path.exists(path) and not written_by_course(flag, path):
-        what = "trace" if flag == "--trace" else "log"
-        raise ConfigError(f"{flag} {path} exists and is not a {what} this course wrote: it is left as it is; give "
-                          "another file name")
-
-
-def written_by_course(flag: str, path: str) -> bool:
-    """Whether an existing --trace or --log-json file may be replaced: it is empty, or it begins as the course
-    begins its own (a trace with timeline.TRACE_MARK, a log with a record whose first keys are step, loss,
-    step_time_s, tokens_per_s). Anything else is the user's, and stays."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(2**16)
-    except OSError:
-        return False
-    if not head:
-        return True
-    if flag == "--trace":
-        return head.startswith(TRACE_MARK)
-    try:
-        record = json.loads(head.split(b"\n", 1)[0])
-    except ValueError:
-        return False
-    return isinstance(record, dict) and list(record)[:4] == ["step", "loss", "step_time_s", "tokens_per_s"]
+def outputs_of(args) -> list:
+    """What a run writes: (flag, path or None, kind, the test of the course's mark for that kind)."""
+    return [("--log-json", args.log_json, "log", outputs.is_log), ("--trace", args.trace, "trace", outputs.is_trace)]
 
 
 def check_numbers(args):
@@ -326,6 +298,9 @@ def check_numbers(args):
     if args.timeout < MIN_TIMEOUT_S:
         raise ConfigError(f"--timeout {args.timeout} must be at least {MIN_TIMEOUT_S:g} s: it also bounds the "
                           "start-up, where every rank must reach the rendezvous and connect to its peers")
+    if args.timeout > MAX_TIMEOUT_S:
+        raise ConfigError(f"--timeout {args.timeout:g} must be at most {MAX_TIMEOUT_S:g} s: gloo and NCCL count it "
+                          "in nanoseconds in a 64-bit integer")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed {args.seed} must be between 0 and {MAX_SEED}: the weights' generators are "
                           "seeded with seed x 1000003 + a 32-bit hash, which must fit in 64 bits")

@@ -26,12 +26,14 @@ runtime: the simulation names where each rank waits. A stage's neighbour on the 
 turn) gets its input with no message.
 """
 import csv
+import io
 import re
 from collections import namedtuple
 
 import torch.distributed as dist
 
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
+from support import outputs
 from support.timeline import gather_events
 from torch_schedules import GENERATORS, idle_formula, peak_formula
 from weight_grad_store import WeightGradStore
@@ -74,15 +76,37 @@ def parse_rows(rows):
 
 
 def read_schedule(path: str):
-    """A compute-only CSV (PyTorch's _dump_csv, one row per rank) -> [[Action]] per rank."""
-    with open(path, newline="") as file:
-        return parse_rows(list(csv.reader(file)))
+    """A compute-only CSV (PyTorch's _dump_csv, one row per rank; UTF-8, a byte-order mark allowed) -> [[Action]]
+    per rank. Bytes that are not UTF-8 are a ScheduleError naming the first one's position."""
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ScheduleError(f"byte {err.start} (0x{data[err.start]:02x}) is not UTF-8: save the list as UTF-8 "
+                            "text") from None
+    return parse_rows(list(csv.reader(io.StringIO(text, newline=""))))
+
+
+def rendered(plan) -> bytes:
+    """[[Action]] per rank -> the CSV that PyTorch's _load_csv reads back, as csv.writer writes it."""
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows([[str(action) for action in actions] for actions in plan])
+    return text.getvalue().encode()
 
 
 def write_schedule(path: str, plan):
-    """[[Action]] per rank -> a CSV that PyTorch's _load_csv reads back."""
-    with open(path, "w", newline="") as file:
-        csv.writer(file).writerows([[str(action) for action in actions] for actions in plan])
+    """The CSV of [[Action]] per rank, written whole through a temporary file (support/outputs.py)."""
+    outputs.write(path, rendered(plan), "wb")
+
+
+def is_list(head: bytes) -> bool:
+    """Whether a file is a list this course wrote: exactly the bytes rendered() makes of the actions it holds
+    (PyTorch's format has no room for a mark: a list written alike, byte for byte, by another tool passes too)."""
+    try:
+        return rendered(parse_rows(csv.reader(io.StringIO(head.decode(), newline="")))) == head
+    except ValueError:  # UnicodeDecodeError and ScheduleError included
+        return False
 
 
 def placement(plan) -> dict:
@@ -386,7 +410,10 @@ def read_list(path: str):
     try:
         return read_schedule(path)
     except OSError as err:
-        raise ValueError(f"--schedule-file {path} cannot be read: {err.strerror}") from None
+        why = {FileNotFoundError: "does not exist", IsADirectoryError: "is a directory: give a file"}.get(type(err))
+        raise ValueError(f"--schedule-file {path} " + (why or f"cannot be read: {err.strerror}")) from None
+    except ScheduleError as err:
+        raise ValueError(f"--schedule-file {path}: {err}") from None
 
 
 def dump_schedule(run, chunks_of):

@@ -29,6 +29,9 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   schedule_lab.py       another side road: any schedule as a list of actions (--schedule-file, --dump-schedule)
   torch_schedules.py    PyTorch's ZB-V and Looped BFS as such lists (--schedule zbv, --schedule looped-bfs)
 """
+if __name__ == "__main__":  # first: Ctrl-C while torch loads ends with the course's line (support/progress.py)
+    from support.progress import stop_on_ctrl_c
+    stop_on_ctrl_c()
 import time
 from dataclasses import dataclass
 from functools import partial

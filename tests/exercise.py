@@ -4,7 +4,7 @@
     python tests/exercise.py start 04.1f1b                 copy step 04 to my_exercises/04.1f1b/, the function stubbed
     python tests/exercise.py check 04.1f1b                 its checks, fastest first, stopping at the first failure
     python tests/exercise.py check 04.1f1b --step-dir my_1f1b    a copy made by hand (tests/README.md, the recipe by hand)
-    python tests/exercise.py mistake 04.1f1b               what a typical wrong answer prints (the notebooks show it)
+    python tests/exercise.py mistake 04.1f1b 1             what typical wrong answer 1 prints (the notebooks show it)
     python tests/exercise.py check 04.1f1b --hint 2        a failed check's hints up to level 2 (3: the answer's key)
     python tests/exercise.py hint 04.1f1b 3                the hints alone, without a check
 
@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from exercises import BY_ID, EXERCISES
@@ -113,7 +114,7 @@ def digest(exercise, folder):
 
 def state(exercise):
     folder = COPIES / exercise["id"]
-    if not folder.exists():
+    if not folder.is_dir():
         return "not started"
     mark = folder / PASSED
     if mark.exists():
@@ -130,6 +131,10 @@ def exercise_of(ident):
 def copy_for(exercise, step_dir=None):
     """The learner's copy of the exercise's step: checked to exist and to be made from that step."""
     folder = Path(step_dir).expanduser().resolve() if step_dir else COPIES / exercise["id"]
+    if folder.exists() and not folder.is_dir():
+        raise Refused(f"{step_dir or shown(folder)} is a file, not a copy of a step: it is left as it is")
+    if step_dir and not folder.exists():
+        raise Refused(f"--step-dir {step_dir} does not exist")
     if not (folder / "train.py").is_file():
         if step_dir:
             raise Refused(f"{step_dir} is not a copy of a step (no train.py in it)")
@@ -178,7 +183,7 @@ def run_check(check, exercise, folder):
     text = ANSI.sub("", done.stdout + done.stderr)
     if done.returncode == 0:
         return True, []
-    return False, pytest_diagnosis(text, folder) if kind == "pytest" else text.strip().splitlines()[:10]
+    return False, pytest_diagnosis(text, folder) if kind == "pytest" else text.strip().splitlines()  # in full
 
 
 def plain_environment():
@@ -223,17 +228,34 @@ def hint_lines(exercise, lines, level):
     return shown
 
 
+def syntax_error(folder):
+    """Python's own report of the first file of the copy that it cannot read (file, line, the line with a caret,
+    the message), as its lines; None if every file compiles."""
+    for name, source in sorted(python_files(folder).items()):
+        try:
+            compile(source, str(shown(folder / name)), "exec")
+        except SyntaxError as err:  # IndentationError and TabError included
+            return "".join(traceback.format_exception_only(err)).rstrip().splitlines()
+    return None
+
+
 def check(exercise, folder, hint=1):
-    """Run the exercise's checks in order, stopping at the first failure; print at most ~20 lines (and the
-    hints up to level `hint`)."""
+    """Run the exercise's checks in order, stopping at the first failure: its output, then the hints up to level
+    `hint`. A file Python cannot read is shown as Python shows it, before any check runs."""
     checks, start, ident = exercise["checks"], time.perf_counter(), exercise["id"]
+    broken = syntax_error(folder)
+    if broken:
+        print(f"FAIL {ident}: Python cannot read the copy, so no check runs")
+        print("\n".join(broken))
+        print("hint: fix the line Python shows (the carets mark where it stopped reading), then check again")
+        return 1
     for n, each in enumerate(checks, 1):
         began = time.perf_counter()
         passed, lines = run_check(each, exercise, folder)
         took = time.perf_counter() - began
         if not passed:
             print(f"FAIL {ident}, check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
-            print("\n".join(f"  {line}" for line in lines[:12]))
+            print("\n".join(f"  {line}" for line in lines))
             print("\n".join(hint_lines(exercise, lines, hint)))
             return 1
         print(f"ok   check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
@@ -260,7 +282,7 @@ def command_list():
 
 
 def command_hint(exercise, level):
-    """The exercise's hints up to `level`, without a check."""
+    """The exercise's hints up to `level` (1-based), without a check."""
     for n, hint in enumerate(levels(exercise)[:level], 1):
         print(f"hint {n} ({HINT_LEVELS[n - 1]}): {hint}")
     return 0
@@ -268,13 +290,16 @@ def command_hint(exercise, level):
 
 def command_start(exercise, force=False):
     folder = COPIES / exercise["id"]
+    if folder.is_symlink() or folder.exists() and not folder.is_dir():
+        raise Refused(f"{shown(folder)} is {'a link' if folder.is_symlink() else 'a file'}, not an exercise copy: it "
+                      "is left as it is; move it away, then start")
     if folder.exists() and not force:
         if not (sys.stdin.isatty() and input(f"{shown(folder)} exists: start again and lose it? [y/N] ") == "y"):
             raise Refused(f"{shown(folder)} exists: check it, or start again with --force (it is overwritten)")
     if folder.exists():
         shutil.rmtree(folder)
     shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (COPIES / ".gitignore").write_text("*\n")  # the learner's copies stay out of the course's git
+    ignore_copies()
     stub_copy(exercise, folder)
     from exercise_answers import hide_answers
     if (folder / "notebook.ipynb").exists():
@@ -286,17 +311,23 @@ def command_start(exercise, force=False):
     return 0
 
 
-def command_mistake(exercise, which=0, hint=1):
-    """Check a copy of the step with the catalogue's typical wrong answer number `which` made, then delete it:
-    what a learner who makes that mistake reads."""
-    if not 0 <= which < len(exercise["wrong"]):
-        raise Refused(f"exercise {exercise['id']} has wrong answers 0 to {len(exercise['wrong']) - 1}, not {which}")
-    what, file = exercise["wrong"][which][:2]
+def ignore_copies():
+    """my_exercises/.gitignore, unless one is there: the learner's copies stay out of the course's git."""
+    if not os.path.lexists(COPIES / ".gitignore"):
+        (COPIES / ".gitignore").write_text("*\n")
+
+
+def command_mistake(exercise, which=1, hint=1):
+    """Check a copy of the step with the catalogue's typical wrong answer number `which` (1-based) made, then delete
+    it: what a learner who makes that mistake reads."""
+    what, file = exercise["wrong"][which - 1][:2]
     folder = COPIES / ".mistakes" / exercise["id"]
+    if folder.is_symlink() or folder.exists() and not folder.is_dir():
+        raise Refused(f"{shown(folder)} is not a folder of this course's: it is left as it is; move it away")
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (COPIES / ".gitignore").write_text("*\n")
-    (folder / file).write_text(wrong_answer(exercise, exercise["wrong"][which], (folder / file).read_text()))
+    ignore_copies()
+    (folder / file).write_text(wrong_answer(exercise, exercise["wrong"][which - 1], (folder / file).read_text()))
     print(f"# {exercise['id']} with a typical mistake in {file}: {what}")
     try:
         return check(exercise, folder, hint)
@@ -309,9 +340,20 @@ def hint_level(exercise, argv):
     if "--hint" not in argv:
         return 1
     value = argv[argv.index("--hint") + 1] if argv.index("--hint") + 1 < len(argv) else ""
-    if not value.isdigit() or not 1 <= int(value) <= len(levels(exercise)):
-        raise Refused(f"--hint {value or '(nothing)'}: give a level from 1 to {len(levels(exercise))}")
+    return number_in("--hint", value, len(levels(exercise)), "a level")
+
+
+def number_in(what: str, value: str, most: int, noun: str) -> int:
+    """value as a whole number from 1 to `most`, or a Refused line naming what, the value and the range."""
+    if not value.isdigit() or not 1 <= int(value) <= most:
+        raise Refused(f"{what} {value or '(nothing)'}: give {noun} from 1 to {most}")
     return int(value)
+
+
+def position(exercise, argv, most: int, noun: str) -> int:
+    """The N after `hint ID` or `mistake ID` (1 if absent; 1-based), checked against `most`."""
+    value = argv[2] if len(argv) > 2 and not argv[2].startswith("--") else None
+    return 1 if value is None else number_in(f"{argv[0]} {exercise['id']}", value, most, noun)
 
 
 def main(argv):
@@ -330,10 +372,12 @@ def main(argv):
         if argv[0] == "start":
             return command_start(exercise, force="--force" in argv)
         if argv[0] == "hint":
-            return command_hint(exercise, int(argv[2]) if len(argv) > 2 and argv[2].isdigit() else 1)
+            return command_hint(exercise, position(exercise, argv, len(levels(exercise)), "a level"))
         if argv[0] == "mistake":
-            return command_mistake(exercise, int(argv[2]) if len(argv) > 2 and argv[2].isdigit() else 0, hint)
-        step_dir = argv[argv.index("--step-dir") + 1] if "--step-dir" in argv[:-1] else None
+            return command_mistake(exercise, position(exercise, argv, len(exercise["wrong"]), "a mistake"), hint)
+        if argv[-1] == "--step-dir":
+            raise Refused("--step-dir needs a path: the copy of a step to check")
+        step_dir = argv[argv.index("--step-dir") + 1] if "--step-dir" in argv else None
         return check(exercise, copy_for(exercise, step_dir), hint)
     except Refused as refusal:
         print(f"error: {refusal}")

@@ -19,6 +19,7 @@ It prints one table and exits 1 on any failure; bad input exits 2 with one line,
 --challenge NAME grades the list against a design target (lab_challenges.py).
 """
 import argparse
+import os
 import sys
 import tempfile
 from fractions import Fraction
@@ -33,8 +34,18 @@ from replay import Step, check_consumed, match
 KINDS = {"F": "forward", "B": "backward", "W": "W"}  # the timeline's names; a split B is "B"
 
 
+DRAWING_MARK = b"pipeline parallelism from scratch, tests/lab.py"  # the Software text of the lab's PNGs
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are the lab's one `error:` line, exit 2 (as train.py's are)."""
+
+    def error(self, message):
+        refuse(f"{message} (see --help)")
+
+
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("file")
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
@@ -43,7 +54,28 @@ def parse(argv):
     p.add_argument("--no-run", action="store_true", help="skip the real gloo run")
     p.add_argument("--challenge", default=None, choices=sorted(CHALLENGES))
     p.add_argument("--step-dir", default=str(REPO / "step08_dualpipe"))
-    return p.parse_args(argv)
+    return check_flags(p.parse_args(argv))
+
+
+def check_flags(args):
+    """Every flag, before any work: one line and exit 2 for the first that breaks its rule."""
+    for flag in ("pp", "microbatches"):
+        if getattr(args, flag) < 1:
+            refuse(f"--{flag} {getattr(args, flag)} must be at least 1")
+    if not (Path(args.step_dir) / "schedule_lab.py").is_file():
+        what = "does not exist" if not Path(args.step_dir).exists() else "has no schedule_lab.py"
+        refuse(f"--step-dir {args.step_dir} {what}: the lab runs step 08 (step08_dualpipe) or a copy of it")
+    if not Path(args.file).is_file():
+        refuse(f"{args.file} " + ("is a directory: give a list's CSV file" if Path(args.file).is_dir()
+                                  else "does not exist" if not Path(args.file).exists() else "is not a regular file"))
+    if args.png and Path(args.png).suffix.lower() != ".png":
+        refuse(f"--png {args.png} must end in .png: the drawing is a PNG image")
+    return args
+
+
+def is_drawing(head: bytes) -> bool:
+    """A PNG the lab drew: its Software text is DRAWING_MARK."""
+    return head.startswith(b"\x89PNG") and b"Software\x00" + DRAWING_MARK in head
 
 
 def refuse(line: str):
@@ -58,12 +90,12 @@ def read(lab, args):
         assert len(times) == 3 and all(t > 0 for t in times)
     except (ValueError, AssertionError, ZeroDivisionError):
         refuse(f"--times {args.times} must be three positive numbers F:B:W")
-    if not Path(args.file).is_file():
-        refuse(f"{args.file} is not a file")
     try:
         plan = lab.read_schedule(args.file)
     except lab.ScheduleError as err:
         refuse(f"{args.file}: {err}")
+    except OSError as err:
+        refuse(f"{args.file} cannot be read: {err.strerror}")
     shape = [p for p in lab.layout_problems(plan, args.pp, args.microbatches)]
     if shape:
         refuse(f"{args.file}: {shape[0]}" + (f" (and {len(shape) - 1} more)" if len(shape) > 1 else ""))
@@ -98,12 +130,14 @@ def draw(step, logs, times, path):
     """The ideal timeline as the step's plots.py draws a measured one."""
     import matplotlib
     matplotlib.use("Agg")
-    from support import plots
+    from support import outputs, plots
     boxes = ideal_passes(logs, times)
     events = [dict(kind="B" if b["split"] else KINDS[b["kind"]], microbatch=b["mb"], chunk=b["chunk"],
                    rank=b["rank"], step=0, start=float(b["start"]) / 1e3, end=float(b["end"]) / 1e3) for b in boxes]
     ax = plots.draw_timeline(events, 0, title=f"ideal timeline of {Path(path).stem} (1 unit = 1 ms)")
-    ax.figure.savefig(path, bbox_inches="tight")
+    with outputs.open_temporary(path, "wb") as f:  # the step's rule for every file the course writes
+        ax.figure.savefig(f, format="png", bbox_inches="tight", metadata={"Software": DRAWING_MARK.decode()})
+    os.replace(f.name, path)
     return path
 
 
@@ -128,6 +162,10 @@ def main(argv=None):
     args = parse(argv)
     sys.path.insert(0, str(Path(args.step_dir).resolve()))
     import schedule_lab as lab
+    from support import outputs
+    problem = outputs.check_all([("--png", args.png, "drawing", is_drawing)], [("the list", args.file)])
+    if problem:
+        refuse(problem)
     plan, times = read(lab, args)
     pp, m = args.pp, args.microbatches
     rows = []

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import STEPS
 from fault_runs import fault_run
-from harness import agent_store, rank_env, torchrun_argv
+from harness import REPO, agent_store, rank_env, torchrun_argv
 
 # The machinery that notices a stalled or dead peer is the same file in every step (FAULT_FILES, checked by
 # test_the_fault_machinery_is_the_same_in_every_step). What differs is where each step waits. So every step's
@@ -170,19 +170,22 @@ def interrupt_problems(codes, outputs) -> list:
     return problems + [f"rank {r} printed a traceback" for r, out in enumerate(outputs) if "Traceback" in out]
 
 
-def interrupt_when_saved(ranks, log):
-    """SIGINT to every rank once `log` holds 4 steps (the checkpoint of step 2 is saved); their outputs."""
-    try:
-        deadline = time.monotonic() + START_DEADLINE
-        while not (log.exists() and len(log.read_text().splitlines()) >= 4) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for p in ranks:
-            p.send_signal(signal.SIGINT)
-        return [p.communicate(timeout=60)[0] for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
+def interrupt(cmd, cwd, wait):
+    """Two ranks of `cmd`; once wait() returns, SIGINT to both, as Ctrl-C in a terminal sends it: (exit codes,
+    outputs)."""
+    with agent_store() as port:
+        ranks = [subprocess.Popen(torchrun_argv(cmd), cwd=cwd, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        try:
+            wait()
+            for p in ranks:
+                p.send_signal(signal.SIGINT)
+            outputs = [p.communicate(timeout=60)[0] for p in ranks]
+        finally:
+            for p in ranks:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in ranks], outputs
 
 
 def test_ctrl_c_ends_every_rank_with_one_line(step_dirs, tmp_path):
@@ -192,16 +195,32 @@ def test_ctrl_c_ends_every_rank_with_one_line(step_dirs, tmp_path):
     cmd = [sys.executable, str(step_dirs["step03_afab"] / "train.py"), "--device", "cpu", "--steps", "100000",
            "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--save", str(tmp_path / "ck"),
            "--save-every", "2", "--keep", "1", "--log-json", str(tmp_path / "log.jsonl")]
-    with agent_store() as port:
-        ranks = [subprocess.Popen(torchrun_argv(cmd), cwd=tmp_path, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        outputs = interrupt_when_saved(ranks, tmp_path / "log.jsonl")
-    problems = interrupt_problems([p.returncode for p in ranks], outputs)
+    log = tmp_path / "log.jsonl"  # 4 steps logged: the checkpoint of step 2 is saved
+
+    def saved():
+        deadline = time.monotonic() + START_DEADLINE
+        while not (log.exists() and len(log.read_text().splitlines()) >= 4) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    codes, outputs = interrupt(cmd, tmp_path, saved)
+    problems = interrupt_problems(codes, outputs)
     assert not problems, "\n".join(problems) + "\n" + outputs[0][-2000:]
     step, folder = INTERRUPTED.search(outputs[0]).groups()
     assert folder.startswith(str(tmp_path / "ck" / "step")) and int(folder[-8:]) <= int(step), outputs[0][-500:]
     old = ["Traceback (most recent call last):\n  ...\nKeyboardInterrupt"] * 2
     assert interrupt_problems([1, 1], old), "the control passed the check"
+
+
+def test_ctrl_c_while_torch_loads_ends_with_the_same_line(step_dirs):
+    """SIGINT 0.3 s after two ranks of step 01 start, while they import torch: exit code 130 on both and rank 0's
+    one line, no traceback (train.py installs support/progress.py's handler before it imports torch). The
+    control: a process that imports torch with Python's default handler fails the same check."""
+    cmd = [sys.executable, str(step_dirs[STEPS[0]] / "train.py"), "--device", "cpu", "--steps", "100000"]
+    while_loading = lambda: time.sleep(0.3)
+    problems = interrupt_problems(*interrupt(cmd, REPO, while_loading))
+    assert not problems, problems
+    assert interrupt_problems(*interrupt([sys.executable, "-c", "import time, torch; time.sleep(60)"], REPO,
+                                         while_loading))
 
 
 OUT_OF_MEMORY = """

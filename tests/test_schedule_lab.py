@@ -127,19 +127,6 @@ def test_torch_schedule_1f1b_csv_is_refused_naming_rank_and_action(tmp_path):
     assert "rank 3, action 14 3F8: microbatch 8 does not exist" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("rows, flags, line", [
-    ("0F0,0X0\n1F0,1B0\n", [], "rank 0, action 1 '0X0': unknown action"),
-    ("0F0,0B0\n1F0,1B0\n", ["--pp", "3"], "the list has 2 rows (ranks), but --pp is 3"),
-    ("0F0,0B0\n7F0,7B0\n", [], "rank 1, action 0 7F0: stage 7 does not exist"),
-])
-def test_bad_input_gets_one_line_before_any_work(tmp_path, rows, flags, line):
-    path = tmp_path / "bad.csv"
-    path.write_text(rows)
-    done = run_lab(path, *(flags or ["--pp", "2"]), "--microbatches", "1")
-    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done
-    assert line in done.stderr, done.stderr
-
-
 @pytest.mark.parametrize("rows, line", [
     ("0F0,0B1,0F1,0B0\n1F0,1B0,1F1,1B1\n", "rank 0, action 1 0B1: before its 0F1"),  # invalid
     ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlock: rank 0 waits at 0B0; rank 1 waits at 1F1"),

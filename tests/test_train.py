@@ -130,7 +130,7 @@ CASES = [
     *bad(STEPS, 4, ["--layers", "3"], "--pp 4", "--layers 3"),
     *bad(STEPS, 1, ["--device", "tpu"], "--device tpu", "auto, cpu or cuda"),
     *bad(STEPS, 1, ["--hidden", "100", "--heads", "3"], "--hidden 100", "--heads 3"),
-    *bad(STEPS, 1, ["--data", "/no/such/file"], "--data /no/such/file", "not a file"),
+    *bad(STEPS, 1, ["--data", "/no/such/file"], "--data /no/such/file", "does not exist"),
     *bad(STEPS, 1, ["--steps", "0"], "--steps 0", "must be positive"),
     *bad(STEPS, 1, ["--lr", "-1"], "--lr -1.0", "must be positive"),
     *bad(STEPS, 1, ["--lr", "nan"], "--lr nan", "must be positive"),

@@ -22,13 +22,14 @@ records into this process's Timeline (install, span) without being handed one.
 """
 import json
 import os
-import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+
+from support import outputs
 
 COMPUTE = ("forward", "backward", "recompute")
 WRITER = "pipeline parallelism from scratch, timeline.py"  # a trace's first key says the course wrote it
@@ -203,7 +204,6 @@ def write_chrome_trace(events, path: str, describe_rank):
     trace.append(dict(name="process_name", ph="M", pid=1, args=dict(name=f"{len(ranks)} ranks, steps end to end")))
     trace += [dict(name="thread_name", ph="M", pid=1, tid=r + 1, args=dict(name=f"rank {r} ({describe_rank(r)})"))
               for r in ranks]
-    folder, name = os.path.split(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=name + ".", suffix=".tmp", delete=False) as f:
+    with outputs.open_temporary(path) as f:  # support/outputs.py: the rule of every file the course writes
         json.dump({"otherData": {"written_by": WRITER}, "traceEvents": trace, "displayTimeUnit": "ms"}, f)
     os.replace(f.name, path)  # whole or not at all: a killed run leaves the path as it was

@@ -11,13 +11,13 @@ tests/harness.py read the printed lines.
 """
 import json
 import os
-import tempfile
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from support import outputs
 from support.budget import probe_rates, step_flops
 from support.distributed import peak_memory_bytes, progress
 from pipeline import bubble_formula, peak_stored_microbatches
@@ -52,8 +52,7 @@ def open_log(args):
     watch(args.steps)
     if not args.log_json:
         return None
-    folder, name = os.path.split(os.path.abspath(args.log_json))
-    log = tempfile.NamedTemporaryFile("w", dir=folder, prefix=name + ".", suffix=".tmp", delete=False, buffering=1)
+    log = outputs.open_temporary(args.log_json, buffering=1)  # support/outputs.py: the rule of every output
     log.final = args.log_json  # where log_step renames it to
     if os.path.isfile(args.log_json):  # config refused a file this course did not write
         print(f"--log-json {args.log_json}: an earlier run's log, which this run replaces", flush=True)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from support import outputs
 from support.distributed import progress
 from model import ModelConfig
 
@@ -96,7 +97,7 @@ def crc32(path: str) -> int:
 def fault(folder: str):
     """Why a checkpoint folder cannot be taken (a file missing, or of other bytes than its record says), or None."""
     if not os.path.isdir(folder):
-        return "no such folder"
+        return "it is a file, not a folder" if os.path.exists(folder) else "it does not exist"
     try:
         with open(os.path.join(folder, RECORD)) as f:
             files = json.load(f)["files"]
@@ -119,6 +120,9 @@ def choose(path: str):
     """(the checkpoint --resume path takes, the line that says so): the newest candidate that passes its
     check, naming each newer one skipped and why. A ValueError when none passes."""
     found, skipped = candidates(path), []
+    if not os.path.exists(path) or os.path.isfile(path):
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise ValueError(f"--resume {path} {what}: give the --save folder of a run, or one checkpoint in it")
     if not found:
         raise ValueError(f"--resume {path} holds no checkpoint: no folder stepNNNNNNNN in it (a .tmp folder is a "
                          "save that never finished)")
@@ -170,7 +174,9 @@ def add_flags(p):
     group.add_argument("--save", default=None, metavar="DIR", help="save checkpoints into this folder")
     group.add_argument("--save-every", type=int, default=None, metavar="N",
                        help="save every N optimizer steps (default: only after the last)")
-    group.add_argument("--keep", type=int, default=2, help="keep the newest K checkpoints in --save")
+    group.add_argument("--keep", type=int, default=2,
+                       help="keep the newest K checkpoints in --save up to each one saved (a newer one, of "
+                       "another run, stays)")
     group.add_argument("--resume", default=None, metavar="DIR",
                        help="go on from the newest checkpoint in DIR whose files match their record, or from "
                        "DIR itself if it is one (DIR/stepNNNNNNNN), up to --steps")
@@ -182,11 +188,25 @@ def check_flags(args):
         raise ValueError(f"--save-every {args.save_every} and --keep {args.keep} must be at least 1")
     if args.save:
         check_save_folder(args.save)
+    start = 0  # the step this run starts from
     if args.resume:
         args.resume, line = choose(args.resume)  # from here on, the checkpoint itself
-        check_resume(args, args.resume)
+        start = check_resume(args, args.resume)
         if os.environ.get("RANK", "0") == "0":
             print(line, flush=True)
+    if args.save and os.environ.get("RANK", "0") == "0":
+        note_newer(args.save, start)
+
+
+def note_newer(root: str, start: int):
+    """One line, when --save already holds checkpoints newer than this run's start: another run's, which this run
+    leaves as they are (finish prunes only older ones), and which a later --resume of the folder would take."""
+    newer = [folder for folder in complete(root) if os.path.basename(folder) > f"step{start:08d}"]
+    if newer:
+        name = os.path.basename(newer[-1])
+        print(f"note: --save {root} holds {len(newer)} checkpoint(s) of another run, newer than this run's start "
+              f"(the newest {name}): they stay untouched, --keep prunes only checkpoints older than each one this "
+              f"run saves, and --resume {root} takes {name} while it is the newest", file=sys.stderr, flush=True)
 
 
 def check_save_folder(path: str):
@@ -203,7 +223,7 @@ def check_save_folder(path: str):
 
 
 def check_resume(args, path):
-    """The chosen checkpoint holds this model's shape, and leaves steps to run."""
+    """The chosen checkpoint holds this model's shape, and leaves steps to run; returns its step."""
     saved, wanted = read_facts(path), facts(args, 0)
     missing = [fact for fact in wanted if fact not in saved]  # the facts later steps of the course add
     if missing:
@@ -217,6 +237,7 @@ def check_resume(args, path):
     if saved["step"] >= args.steps:
         raise ValueError(f"--resume {path} is at step {saved['step']}, not before --steps {args.steps}: "
                          "nothing is left to run")
+    return saved["step"]
 
 
 def adamw_state(optimizer, param) -> dict:
@@ -276,19 +297,26 @@ def finish(final: str, keep: int) -> int:
     then only the newest `keep` left. Returns the checkpoint's bytes."""
     files = {name: dict(bytes=os.path.getsize(os.path.join(final + ".tmp", name)),
                         crc32=crc32(os.path.join(final + ".tmp", name))) for name in sorted(os.listdir(final + ".tmp"))}
-    write_whole(os.path.join(final + ".tmp", RECORD), json.dumps(dict(files=files), indent=1))
+    outputs.write(os.path.join(final + ".tmp", RECORD), json.dumps(dict(files=files), indent=1))
+    if os.path.lexists(final) and not is_checkpoint(final):
+        raise FileExistsError(f"{final} exists and is not a checkpoint this course wrote")
     shutil.rmtree(final, ignore_errors=True)  # a resumed run may save a step again
     os.rename(final + ".tmp", final)  # complete: --resume may read it from now on
-    for old in complete(os.path.dirname(final))[:-keep]:
+    for old in pruned(final, keep):
         shutil.rmtree(old)
     return sum(f["bytes"] for f in files.values())
 
 
-def write_whole(path: str, text: str):
-    """Write text to path whole or not at all: into a temporary file beside it, renamed over it once written."""
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
+def pruned(final: str, keep: int) -> list:
+    """The checkpoints that saving `final` lets go: those older than it, beyond the newest `keep` up to it. A newer
+    one (another, longer run's, in the same --save) is never touched, nor is anything not a checkpoint."""
+    name = os.path.basename(final)
+    return [old for old in complete(os.path.dirname(final)) if os.path.basename(old) <= name][:-keep]
+
+
+def is_checkpoint(folder: str) -> bool:
+    """A folder (not a link) holding DCP's index: a checkpoint this course wrote, which a save may replace."""
+    return os.path.isdir(folder) and not os.path.islink(folder) and os.path.isfile(os.path.join(folder, ".metadata"))
 
 
 def on_rank_0(work):

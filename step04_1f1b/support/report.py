@@ -11,7 +11,6 @@ tests/harness.py read the printed lines.
 """
 import json
 import os
-import tempfile
 import threading
 import time
 from functools import partial
@@ -19,6 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from support import outputs
 from support.budget import probe_rates, step_flops
 from config import family
 from support.distributed import peak_memory_bytes, progress
@@ -54,8 +54,7 @@ def open_log(args):
     watch(args.steps)
     if not args.log_json:
         return None
-    folder, name = os.path.split(os.path.abspath(args.log_json))
-    log = tempfile.NamedTemporaryFile("w", dir=folder, prefix=name + ".", suffix=".tmp", delete=False, buffering=1)
+    log = outputs.open_temporary(args.log_json, buffering=1)  # support/outputs.py: the rule of every output
     log.final = args.log_json  # where log_step renames it to
     if args.resume and os.path.isfile(args.log_json):
         with open(args.log_json) as earlier:  # config refused a file this course did not write

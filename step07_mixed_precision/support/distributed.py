@@ -18,10 +18,7 @@ import torch
 import torch.distributed as dist
 
 from support import faults
-
-# Where this rank is, for the one line of a run that ends early: the step running (report.log_step moves it on)
-# and the last checkpoint saved or loaded (checkpoint.py, step 03 on); `since` is when the step began.
-progress = dict(step=0, checkpoint=None, since=0.0)
+from support.progress import interrupted, progress  # where this rank is; Ctrl-C's line (report.py, checkpoint.py)
 
 
 def world_from_env():
@@ -79,7 +76,7 @@ def reset_peak_memory(device: torch.device):
 def one_line_errors(timeout_s: float):
     """A stalled or dead peer, or memory that ran out, ends this rank with one line on stderr and exit code 1,
     not a page of C++ frames; Ctrl-C ends it with exit code 130 (interrupted)."""
-    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGINT, interrupted)  # again: a process that did not start as train.py
     try:
         yield
     except (RuntimeError, MemoryError) as err:  # gloo and NCCL report an expired timeout or a closed connection so
@@ -99,15 +96,6 @@ def out_of_memory(err: BaseException):
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     return f"error: out of memory in step {progress['step']} on rank {rank}: {text}"
-
-
-def interrupted(signum, frame):
-    """Ctrl-C (SIGINT, which torchrun passes on to every rank): rank 0 says where the run was, and every rank
-    exits with 130 at once, as a shell reports an interrupted command; no rank waits on the others."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        where = progress["checkpoint"] or "none (no --save, or nothing saved yet)"
-        os.write(2, f"interrupted at step {progress['step']}; the last checkpoint is {where}\n".encode())
-    os._exit(130)
 
 
 def stop_if_diverged(record):
