@@ -80,10 +80,14 @@ def stub_message(exercise):
 
 
 def stub_copy(exercise, folder):
-    """Stub every function of the exercise in `folder`, a copy of its step."""
+    """Stub every function of the exercise in `folder`, a copy of its step, and cut the other text of its files
+    that states the answer (the catalogue's `hide`: a docstring's formula, a table of the counts)."""
     for file, qualname in exercise["functions"]:
         path = folder / file
         path.write_text(stub_source(path.read_text(), qualname, stub_message(exercise)))
+    for file, answer, instead in exercise.get("hide", ()):
+        path = folder / file
+        path.write_text(path.read_text().replace(answer, instead))
 
 
 # ------------------------------------------------------------------------------------------------ copies

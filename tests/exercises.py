@@ -21,6 +21,9 @@ Each entry:
   wrong     the typical wrong answers and the incomplete ones: (what, file, old text, new text, key words the
             diagnosis must show), old and new texts or tuples of them (several places); applied to the course's
             own code, each must fail its checks with those words in the diagnosis (tests/test_exercises.py)
+  hide      (optional) [(file, text, instead)]: other text of the step's files that states the answer (a
+            docstring's formula, a table); the learner's copy has `instead` (tests/test_exercises.py checks each
+            text is in the code once, and gone from a started copy)
   right     other right answers: (what, file, old text, new text), applied the same way; each must pass
             every check (tests/test_exercises.py): the checks grade behaviour, not the course's wording
 

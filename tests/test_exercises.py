@@ -102,6 +102,8 @@ def test_catalogue_covers_every_step_and_names_real_code():
             assert ast.dump(node.args) == ast.dump(original.args)
         for edit in (*entry["wrong"], *entry["right"]):
             exercise.wrong_answer(entry, edit, (REPO / entry["step"] / edit[1]).read_text())
+        for file, answer, _ in entry.get("hide", ()):
+            assert (REPO / entry["step"] / file).read_text().count(answer) == 1, (entry["id"], answer)
         assert len(exercise.levels(entry)) == len(exercise.HINT_LEVELS), entry["id"]
 
 
@@ -281,6 +283,23 @@ def test_a_mistake_is_diagnosed_under_force_color():
                           capture_output=True, text=True, timeout=300, env=env)
     assert "hysteresis counts overflows" in done.stdout and "\x1b[" not in done.stdout, done.stdout + done.stderr
     assert len(done.stdout.splitlines()) <= 20, done.stdout
+
+
+def test_the_learners_code_states_no_answer_beside_the_stub(tmp_path):
+    """What `start` stubs, it also cuts from the copy's other text: 04.warmup's docstring formula, 08.phases'
+    table of counts. Control: the course's files hold each cut text."""
+    hiding = [e for e in EXERCISES if e.get("hide")]
+    assert {"04.warmup", "08.phases"} <= {e["id"] for e in hiding}
+    for entry in hiding:
+        folder = tmp_path / entry["id"]
+        folder.mkdir()
+        for file in {f for f, _ in entry["functions"]} | {f for f, _, _ in entry["hide"]}:
+            shutil.copy(REPO / entry["step"] / file, folder / file)
+        exercise.stub_copy(entry, folder)
+        for file, answer, instead in entry["hide"]:
+            assert answer in (REPO / entry["step"] / file).read_text()
+            text = (folder / file).read_text()
+            assert answer not in text and instead in text, (entry["id"], answer)
 
 
 def test_the_learners_notebook_holds_no_answer(tmp_path):
