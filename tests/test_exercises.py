@@ -31,7 +31,8 @@ import pytest
 import exercise
 from check_exercises import failure_lines
 from conftest import STEPS
-from exercises import EXERCISES
+from exercises import ALL, EXERCISES
+from exercises_design import CHALLENGES
 from harness import tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,7 +123,7 @@ def test_bad_input_gets_one_clear_line(tmp_path):
     code, lines = run_cli("check", "04.1f1b", "--step-dir", "step05_interleaved")
     assert code == 2 and len(lines) == 1 and "made from step05_interleaved" in lines[0], lines
     code, lines = run_cli("list")
-    assert code == 0 and len(lines) == len(EXERCISES) + 1, lines
+    assert code == 0 and len(lines) == len(ALL) + 1, lines
 
 
 def test_replay_reports_a_raising_schedule(tmp_path):
@@ -198,6 +199,39 @@ def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():
                      "  Fatal Python error: Segmentation fault"], lines
 
 
+def lab_copy(entry, folder: Path, answer=None) -> Path:
+    """A copy of step 08 holding a design challenge's list: the starter `start` writes, or one of the catalogue's."""
+    prepared(entry, folder, stub=True)
+    if answer:
+        exercise.make_answer(entry, answer, folder)
+    return folder
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["id"]) for e in CHALLENGES])
+def test_design_challenge_starter_and_wrong_lists_fail(entry, tmp_path):
+    """Each design challenge of the lab is an exercise: `list` shows it, its starter list (a valid schedule) fails
+    the lab's first check on the target, and each wrong list fails it with its key words; the drawing of the
+    learner's list lies beside it."""
+    assert entry["id"] in [line.split()[0] for line in run_cli("list")[1][:-1]]
+    n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / "starter"))
+    assert n == 1 and f"challenge {entry['challenge']}" in text and "FAIL" in text, text
+    assert (tmp_path / "starter" / entry["file"]).with_suffix(".png").is_file()
+    for i, wrong in enumerate(entry["wrong"]):
+        n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / f"wrong{i}", wrong))
+        missing = [word for word in wrong[2] if word not in text]
+        assert n == 1 and not missing, f"{entry['id']}, '{wrong[0]}': check {n}, the report lacks {missing}:\n{text}"
+
+
+@pytest.mark.exercise_proofs
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["id"]) for e in CHALLENGES])
+def test_design_challenge_right_lists_pass_every_check(entry, tmp_path, request):
+    """Each right list of a design challenge passes the target and the gloo run against one device."""
+    proofs_asked(request)
+    for i, right in enumerate(entry["right"]):
+        n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / f"right{i}", right))
+        assert n is None, f"{entry['id']}, '{right[0]}' fails check {n}:\n{text}"
+
+
 def limit_s(entry):
     """How soon a stub must fail: a schedule's replay in 30 s, a layer's launch of ranks in 60 s."""
     return 60 if entry["step"] in ("step06_tp", "step07_mixed_precision") else 30
@@ -257,7 +291,7 @@ def test_hints_come_in_levels():
     assert code == 0 and len(lines) == 3 and "(k // p) % v" in lines[2], lines
     shown = exercise.hint_lines(entry, ["stage 0: something"], 1)
     assert len(shown) == 2 and "--hint 2" in shown[1] and "(k // p) % v" not in "".join(shown), shown
-    for each in EXERCISES:
+    for each in ALL:
         first, *_, last = exercise.levels(each)
         assert first != last and last not in first, each["id"]
     code, lines = run_cli("check", "05.map", "--hint", "9")
