@@ -107,6 +107,17 @@ class Recorder(io.TextIOBase):
             self.items.append(("markdown", text) if isinstance(text, str) else ("display", ""))
 
 
+def shared_helpers(step_dir: Path, trees):
+    """The definitions a notebook imports from its step's support/notebook.py (show, table, parse): a source
+    helper there counts as one defined in the notebook."""
+    names = {a.name for tree in trees for n in tree.body
+             if isinstance(n, ast.ImportFrom) and n.module == "support.notebook" for a in n.names}
+    if not names:
+        return []
+    module = ast.parse((step_dir / "support" / "notebook.py").read_text())
+    return [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name in names]
+
+
 class Notebook:
     """One notebook's cells, run piece by piece in one namespace from the step's folder."""
 
@@ -116,6 +127,7 @@ class Notebook:
         self.trees = {i: ast.parse(cell_code(c)) for i, c in enumerate(self.cells) if c["cell_type"] == "code"}
         self.ns = {"__name__": "__main__", "display": recorder.display}
         defs = [n for tree in self.trees.values() for n in tree.body if isinstance(n, ast.FunctionDef)]
+        defs += shared_helpers(path.parent, self.trees.values())
         # the notebook's own helpers that print source (show, lines) or tables of files (added_lines, numstat)
         self.source_helpers = {d.name for d in defs if called_names(d) & SOURCE_CALLS}
         self.numbered_helpers = {d.name for d in defs if ".getsourcelines" in called_names(d)}
@@ -127,6 +139,8 @@ class Notebook:
         bound = set()
         while True:
             self.recorder.items = []
+            if "support.notebook" in sys.modules:  # its table() displays as the notebook's own would
+                sys.modules["support.notebook"].display = self.recorder.display
             try:
                 with contextlib.redirect_stdout(self.recorder):
                     exec(code, self.ns)
