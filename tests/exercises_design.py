@@ -66,11 +66,13 @@ CHALLENGES = [
                "If stage 0 waits sooner for a gradient, the stages after it must start their backwards sooner "
                "too, or the gradient never comes: change every rank's warm-up, not stage 0's alone.",
                "1F1B with a warm-up of min(p-s-1, 1) forwards on stage s: F0 F1 B0 F2 B1 ... on stages 0-2, F0 "
-               "B0 F1 B1 ... on the last."],
+               "B0 F1 B1 ... on the last.",
+               ("deadlock", "Stage 0 waits for a gradient that stage 1 sends only after a forward stage 0 has not "
+                "sent yet: cut every rank's warm-up, not stage 0's alone.")],
         wrong=[("1F1B's list, unchanged", lambda: csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1)),
                 ["stores 4 microbatches, more than 2"]),
                ("stage 0's warm-up cut alone: the others wait for a forward it sends only after a backward",
-                lambda: csv_text(one_f_one_b(4, 8, lambda s: 1 if s == 0 else 4 - s - 1)), ["replay", "FAIL"])],
+                lambda: csv_text(one_f_one_b(4, 8, lambda s: 1 if s == 0 else 4 - s - 1)), ["deadlock", "replay"])],
         right=[("1F1B with a warm-up of at most one forward",
                 lambda: csv_text(one_f_one_b(4, 8, lambda s: min(4 - s - 1, 1))))],
     ),

@@ -220,6 +220,8 @@ def test_design_challenge_starter_and_wrong_lists_fail(entry, tmp_path):
         n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / f"wrong{i}", wrong))
         missing = [word for word in wrong[2] if word not in text]
         assert n == 1 and not missing, f"{entry['id']}, '{wrong[0]}': check {n}, the report lacks {missing}:\n{text}"
+        keyed = [hint for key, hint in (h for h in entry["hints"] if isinstance(h, tuple)) if key in wrong[2]]
+        assert not keyed or exercise.hint_for(entry, text.splitlines()) == keyed[0], (entry["id"], wrong[0])
 
 
 @pytest.mark.exercise_proofs
