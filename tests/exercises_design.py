@@ -50,16 +50,22 @@ TORCH_INTERLEAVED_4_6 = """\
 
 CHECKS = [("lab", "--no-run"), ("lab",)]
 
+
+def plain_1f1b():
+    """1F1B's list at p 4, m 8: two challenges' starter, and their first wrong answer."""
+    return csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1))
+
+
 CHALLENGES = [
     dict(
-        id="08.stage0-two", step="step08_dualpipe", functions=[], challenge="stage0-two", file="stage0-two.csv", pp=4, m=8,
-        times="1:1:1",
+        id="08.stage0-two", step="step08_dualpipe", functions=[], challenge="stage0-two", file="stage0-two.csv",
+        pp=4, m=8, times="1:1:1",
         summary="write a schedule for p 4, m 8 whose stage 0 stores at most 2 microbatches (1F1B stores 4)",
         task="Your copy holds stage0-two.csv, 1F1B's list for p = 4, m = 8: stage 0 runs 3 forwards before its "
              "first backward and stores 4 microbatches at its peak. Edit the list so that stage 0 stores at most "
              "2, every rank's order still deadlock-free and every pass run once. The check draws your list's "
              "ideal timeline into stage0-two.png beside it: look at how much longer it idles.",
-        starter=lambda: csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1)),
+        starter=plain_1f1b,
         checks=CHECKS,
         hints=["A stage stores a microbatch from its forward until its backward: fewer forwards before the first "
                "backward, fewer stored.",
@@ -69,7 +75,7 @@ CHALLENGES = [
                "B0 F1 B1 ... on the last.",
                ("deadlock", "Stage 0 waits for a gradient that stage 1 sends only after a forward stage 0 has not "
                 "sent yet: cut every rank's warm-up, not stage 0's alone.")],
-        wrong=[("1F1B's list, unchanged", lambda: csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1)),
+        wrong=[("1F1B's list, unchanged", plain_1f1b,
                 ["stores 4 microbatches, more than 2"]),
                ("stage 0's warm-up cut alone: the others wait for a forward it sends only after a backward",
                 lambda: csv_text(one_f_one_b(4, 8, lambda s: 1 if s == 0 else 4 - s - 1)), ["deadlock", "replay"])],
@@ -77,21 +83,21 @@ CHALLENGES = [
                 lambda: csv_text(one_f_one_b(4, 8, lambda s: min(4 - s - 1, 1))))],
     ),
     dict(
-        id="08.beat-1f1b", step="step08_dualpipe", functions=[], challenge="beat-1f1b", file="beat-1f1b.csv", pp=4, m=8,
-        times="1:1:1",
+        id="08.beat-1f1b", step="step08_dualpipe", functions=[], challenge="beat-1f1b", file="beat-1f1b.csv",
+        pp=4, m=8, times="1:1:1",
         summary="write a schedule, one stage per rank, that idles less than 1F1B on every rank and stores no more",
         task="Your copy holds beat-1f1b.csv, 1F1B's list for p = 4, m = 8: every rank idles (p-1)(F+B+W), a full "
              "backward taking B + W. Edit the list so that every rank idles less, one stage per rank, and stage s "
              "stores at most 1F1B's min(p-s, m) microbatches. You may split a backward into I (the input "
              "gradient, which the previous stage waits for) and W (the weight gradient). The check draws your "
              "list's ideal timeline into beat-1f1b.png.",
-        starter=lambda: csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1)),
+        starter=plain_1f1b,
         checks=CHECKS,
         hints=["The previous stage waits for the input gradient only: send it before computing the weights'.",
                "Write each backward 0B3 as 0I3 then 0W3: the I's output leaves at once, and a W needs no message.",
                "1F1B with every B split into I then W at once already beats it; ZB-H1 (train.py --schedule zb1p "
                "--dump-schedule) postpones W's into the bubble and beats it by more."],
-        wrong=[("1F1B's list, unchanged", lambda: csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1)),
+        wrong=[("1F1B's list, unchanged", plain_1f1b,
                 ["idle at least 1F1B's (p-1)(F+B+W)"]),
                ("GPipe's order, every forward first: it stores all 8",
                 lambda: csv_text(one_f_one_b(4, 8, lambda s: 8, split=True)), ["store more than 1F1B's"])],
@@ -99,8 +105,8 @@ CHALLENGES = [
                 lambda: csv_text(one_f_one_b(4, 8, lambda s: 4 - s - 1, split=True)))],
     ),
     dict(
-        id="08.interleaved-m6", step="step08_dualpipe", functions=[], challenge="interleaved-m6", file="interleaved-m6.csv",
-        pp=4, m=6, times="1:1:1",
+        id="08.interleaved-m6", step="step08_dualpipe", functions=[], challenge="interleaved-m6",
+        file="interleaved-m6.csv", pp=4, m=6, times="1:1:1",
         summary="write an interleaved schedule for p 4, m 6 (not a multiple of p) that idles at most (p-1)(F+B+W)",
         task="Megatron-LM's interleaved schedule needs m to be a multiple of p. Your copy holds "
              "interleaved-m6.csv, a valid list for p = 4, m = 6 on the interleaved placement (rank r holds "

@@ -285,8 +285,7 @@ def test_readme_commands_name_files_and_flags_that_exist():
 
 # ---------------------------------------------------------------------------------- numbers that cannot go stale
 
-DIFF = ["diff", "-ruN", "-x", "notebook.ipynb", "-x", "README.md", "-x", "__pycache__"]
-SIGNED = r"\+(\d+)(?: [−-](\d+))?"  # +A −B, or +A for a new file
+DIFF, SIGNED = ["diff", "-ruN", "-x", "notebook.ipynb", "-x", "README.md", "-x", "__pycache__"], r"\+(\d+)(?: [−-](\d+))?"
 
 
 def read_minutes(step: Path) -> int:
@@ -312,7 +311,7 @@ def diff_per_file(before: Path, after: Path):
 
 
 def summed(counts, keep):
-    return [sum(v[i] for name, v in counts.items() if keep(name)) for i in (0, 1)]
+    return [sum(v[i] for name, v in counts.items() if keep(name)) for i in (0, 1)]  # [added, removed] of those kept
 
 
 def signed(text: str):
@@ -324,7 +323,8 @@ def path_table_problems(text: str):
     """The top README's path table against the code: each step's read time, its idea's diff (outside support/
     and the side roads it names), support/'s and each side road's."""
     problems, steps = [], sorted(p for p in REPO.glob("step0*") if p.is_dir())
-    rows = {m[1]: [cell.strip() for cell in m[2].split("|")] for m in re.finditer(r"^\| \[\d\d [^]]+\]\((step0\d_\w+)\) \| (.*) \|$", text, re.M)}
+    row = re.compile(r"^\| \[\d\d [^]]+\]\((step0\d_\w+)\) \| (.*) \|$", re.M)
+    rows = {m[1]: [cell.strip() for cell in m[2].split("|")] for m in row.finditer(text)}
     for before, step in zip([None, *steps], steps):
         idea, diff, beside, read = rows[step.name][-4:]
         if read != f"{read_minutes(step)} min":
@@ -336,7 +336,8 @@ def path_table_problems(text: str):
         want = [("the idea", diff, summed(counts, lambda n: not n.startswith("support/") and n not in roads))]
         want += [("support/", re.search(r"support/ ([^;]*)", beside)[1] if "support/" in beside else "+0 −0",
                   summed(counts, lambda n: n.startswith("support/")))]
-        want += [(road, re.search(re.escape(road) + r" ([^,;]*)", beside)[1], counts.get(road, [0, 0])) for road in roads]
+        want += [(road, re.search(re.escape(road) + r" ([^,;]*)", beside)[1], counts.get(road, [0, 0]))
+                 for road in roads]
         for what, quoted, (added, removed) in want:
             if signed(quoted) != [(added, removed)]:
                 problems.append(f"{step.name}: {what} quoted {quoted}, but diff counts +{added} −{removed}")
