@@ -88,7 +88,7 @@ def build(args, device) -> Run:
     install(timeline)  # the engine records into this process's timeline
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
     model = build_model(args, pgm, TPGroup(pgm.tp_group, pgm.tp_rank, pgm.tp)).to(device, dtype)
-    # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
+    # AdamW on fp32 masters, defaults but the learning rate; in fp32, the single-device reference's arithmetic.
     optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
     meter = ActivationMeter(model)
     # PipeDream: each update's dp average (fp32: its stages step alone, config.py)

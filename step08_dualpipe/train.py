@@ -102,7 +102,7 @@ def build(args, device) -> Run:
     if twin_copies(args):  # the reverse direction's copy of a stage another rank also holds
         for p in model[1].parameters():
             p.shared = True  # count it once in the gradient norm (step 07)
-    # Plain AdamW, defaults but the learning rate: the tests' single-device reference uses the same.
+    # AdamW on fp32 masters, defaults but the learning rate; in fp32, the single-device reference's arithmetic.
     optimizer = MixedPrecisionOptimizer(model, args, pgm, make_scaler(args))
     meter = ActivationMeter(model)
     # PipeDream: each update's dp average (fp32: its stages step alone, config.py)

@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from exercises import BY_ID, EXERCISES
+from exercises import ALL, BY_ID
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -76,15 +76,31 @@ def wrong_answer(exercise, wrong, source):
     return source
 
 
+def make_answer(exercise, answer, folder):
+    """Make one of the catalogue's wrong or right answers in `folder`, a copy of the step: an edit of its code,
+    or a design challenge's list. Returns the file written."""
+    file = exercise["file"] if "challenge" in exercise else answer[1]
+    text = answer[1]() if "challenge" in exercise else wrong_answer(exercise, answer, (folder / file).read_text())
+    (folder / file).write_text(text)
+    return file
+
+
 def stub_message(exercise):
     return f"exercise {exercise['id']}: {exercise['summary']}"
 
 
 def stub_copy(exercise, folder):
-    """Stub every function of the exercise in `folder`, a copy of its step."""
+    """Stub every function of the exercise in `folder`, a copy of its step, and cut the other text of its files
+    that states the answer (the catalogue's `hide`: a docstring's formula, a table of the counts). A design
+    challenge's copy gets its starter list instead."""
+    if "challenge" in exercise:
+        (folder / exercise["file"]).write_text(exercise["starter"]())
     for file, qualname in exercise["functions"]:
         path = folder / file
         path.write_text(stub_source(path.read_text(), qualname, stub_message(exercise)))
+    for file, answer, instead in exercise.get("hide", ()):
+        path = folder / file
+        path.write_text(path.read_text().replace(answer, instead))
 
 
 # ------------------------------------------------------------------------------------------------ copies
@@ -108,8 +124,13 @@ def made_from(folder):
     return best
 
 
+def written(exercise):
+    """[(file, what the learner writes in it)]: the exercise's functions, or a design challenge's list."""
+    return exercise["functions"] or [(exercise["file"], f"a schedule for the lab's challenge {exercise['challenge']}")]
+
+
 def digest(exercise, folder):
-    return hashlib.sha256(b"".join((folder / file).read_bytes() for file, _ in exercise["functions"])).hexdigest()
+    return hashlib.sha256(b"".join((folder / file).read_bytes() for file, _ in written(exercise))).hexdigest()
 
 
 def state(exercise):
@@ -161,6 +182,9 @@ def check_name(check, step):
         return f"equivalence, {check[1]} ranks [{' '.join(check[2])}] against one device"
     if kind == "verbs":
         return "each verb alone on a fake transport (stages 0-3 of 4)"
+    if kind == "lab":
+        return "the lab: validation, replay, ideal idle, peaks, the drawing beside your list, the target" + \
+            ("" if "--no-run" in check else ", then a gloo run against one device")
     return "the step's tests: " + ", ".join(node.split("::")[-1].format(step=step) for node in check[1:])
 
 
@@ -172,6 +196,11 @@ def run_check(check, exercise, folder):
                *check[2:]]
     elif kind == "verbs":
         cmd = [sys.executable, str(TESTS / "check_exercises.py"), "verbs", str(folder)]
+    elif kind == "lab":  # a design challenge: tests/lab.py on the learner's list, its drawing beside it
+        listed = folder / exercise["file"]
+        cmd = [sys.executable, str(TESTS / "lab.py"), str(listed), "--pp", str(exercise["pp"]), "--microbatches",
+               str(exercise["m"]), "--times", exercise["times"], "--challenge", exercise["challenge"], "--png",
+               str(listed.with_suffix(".png")), "--step-dir", str(folder), *check[1:]]
     elif kind == "equivalence":
         cmd = [sys.executable, str(TESTS / "check_exercises.py"), "equivalence", str(folder), str(check[1]),
                __import__("json").dumps(check[2])]
@@ -261,7 +290,7 @@ def check(exercise, folder, hint=1):
         print(f"ok   check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
     if folder.is_relative_to(COPIES):
         (folder / PASSED).write_text(digest(exercise, folder))
-    following = EXERCISES[EXERCISES.index(exercise) + 1:]
+    following = ALL[ALL.index(exercise) + 1:]
     after = f"next: python tests/exercise.py start {following[0]['id']}" if following else "that was the last one"
     print(f"PASS {ident}: every check passes ({time.perf_counter() - start:.1f} s). {after}")
     return 0
@@ -271,9 +300,9 @@ def check(exercise, folder, hint=1):
 
 def command_list():
     try:
-        for exercise in EXERCISES:
-            names = ", ".join(qualname for _, qualname in exercise["functions"])
-            print(f"{exercise['id']:<14} {state(exercise):<12} {exercise['step']}: {names}")
+        for exercise in ALL:
+            names = ", ".join(what for _, what in written(exercise))
+            print(f"{exercise['id']:<18} {state(exercise):<12} {exercise['step']}: {names}")
         print("start one: python tests/exercise.py start ID; then: python tests/exercise.py check ID")
         sys.stdout.flush()
     except BrokenPipeError:  # the reader (head, a pager) stopped reading: nothing more to say
@@ -304,7 +333,7 @@ def command_start(exercise, force=False):
     from exercise_answers import hide_answers
     if (folder / "notebook.ipynb").exists():
         hide_answers(folder / "notebook.ipynb", exercise, REPO / exercise["step"])
-    where = ", ".join(f"{shown(folder / file)}: {qualname}" for file, qualname in exercise["functions"])
+    where = ", ".join(f"{shown(folder / file)}: {what}" for file, what in written(exercise))
     print(f"exercise {exercise['id']} ({exercise['step']}): write {where}")
     print(exercise["task"])
     print(f"then: python tests/exercise.py check {exercise['id']}")
@@ -320,14 +349,14 @@ def ignore_copies():
 def command_mistake(exercise, which=1, hint=1):
     """Check a copy of the step with the catalogue's typical wrong answer number `which` (1-based) made, then delete
     it: what a learner who makes that mistake reads."""
-    what, file = exercise["wrong"][which - 1][:2]
+    what = exercise["wrong"][which - 1][0]
     folder = COPIES / ".mistakes" / exercise["id"]
     if folder.is_symlink() or folder.exists() and not folder.is_dir():
         raise Refused(f"{shown(folder)} is not a folder of this course's: it is left as it is; move it away")
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(REPO / exercise["step"], folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     ignore_copies()
-    (folder / file).write_text(wrong_answer(exercise, exercise["wrong"][which - 1], (folder / file).read_text()))
+    file = make_answer(exercise, exercise["wrong"][which - 1], folder)
     print(f"# {exercise['id']} with a typical mistake in {file}: {what}")
     try:
         return check(exercise, folder, hint)

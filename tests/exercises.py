@@ -21,16 +21,22 @@ Each entry:
   wrong     the typical wrong answers and the incomplete ones: (what, file, old text, new text, key words the
             diagnosis must show), old and new texts or tuples of them (several places); applied to the course's
             own code, each must fail its checks with those words in the diagnosis (tests/test_exercises.py)
+  hide      (optional) [(file, text, instead)]: other text of the step's files that states the answer (a
+            docstring's formula, a table); the learner's copy has `instead` (tests/test_exercises.py checks each
+            text is in the code once, and gone from a started copy)
   right     other right answers: (what, file, old text, new text), applied the same way; each must pass
             every check (tests/test_exercises.py): the checks grade behaviour, not the course's wording
 
-The entries are in tests/exercises_01_04.py and tests/exercises_05_08.py. A function that moves to another
+The entries are in tests/exercises_01_04.py and tests/exercises_05_08.py; step 08's design challenges, where the
+learner writes a schedule as a list instead of a function, in tests/exercises_design.py (their format is there). A function that moves to another
 file or is renamed is updated there, in one place.
 """
 
 from exercises_01_04 import EXERCISES as STEPS_01_04
 from exercises_05_08 import EXERCISES as STEPS_05_08
+from exercises_design import CHALLENGES
 
 EXERCISES = STEPS_01_04 + STEPS_05_08
+ALL = EXERCISES + CHALLENGES  # the order of `list` and of each pass's "next"
 
-BY_ID = {exercise["id"]: exercise for exercise in EXERCISES}
+BY_ID = {exercise["id"]: exercise for exercise in ALL}

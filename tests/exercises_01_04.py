@@ -172,6 +172,10 @@ EXERCISES = [
         summary="return how many forwards stage `stage` of `pp` runs before its first backward in 1F1B",
         task="1F1B's warm-up: stage s runs forwards until the first gradient can come back from the last "
              "stage, enough to fill the pipeline below it, and never more than the m microbatches there are.",
+        hide=[("schedule.py", "    warm-up:   min(p-s-1, m) forwards, enough to fill the pipeline below it,\n",
+               "    warm-up:   forwards, enough to fill the pipeline below it (how many: exercise 04.warmup),\n"),
+              ("schedule.py", "At most min(p-s, m) microbatches are in flight on stage s: activation memory is bounded by p, "
+               "not m.\n", "Activation memory is bounded by p, not m.\n")],
         checks=[("replay", ["1f1b"]),
                 ("pytest", "tests/test_schedules.py::test_schedule_order_is_complete_and_deadlock_free[{step}]")],
         hints=["A stage's first backward waits for its microbatch to reach the last stage and come back.",

@@ -1,5 +1,25 @@
 """The exercises of steps 05-08, as data (the catalogue's format: tests/exercises.py)."""
 
+# What 08.phases' copy must not show: dualpipe.py's counts, and its example (tests/exercise.py hides them).
+HIDDEN_TABLE = """\
+    1 nF0         forwards of phase 0 fill the V below           2(n-i-1)
+    2 nF0F1       the first microbatches come back up            i+1
+    3 nB1W1F1     first backwards, each W at once (zero bubble)  n-i-1
+    4 nF0B1F1B0   steady state: F0 with B1, then F1 with B0      k-2n+i+1
+    5 nB1F1B0     the last forwards                              n-i-1
+    6 nB1B0       backwards only; from half-way, B without W     i+1
+    7 nWB0        the postponed W's fill the drain               n-i-1
+    8 nW          the W's left                                   i+1
+"""
+SHOWN_TABLE = "".join(line[:65] + "?\n" for line in HIDDEN_TABLE.splitlines())  # the counts: yours to find
+HIDDEN_EXAMPLE = """\
+    rank 0     6     1       3         1         3       1      3    1
+    rank 1     4     2       2         2         2       2      2    2
+    rank 2     2     3       1         3         1       3      1    3
+    rank 3     0     4       0         4         0       4      0    4
+"""
+SHOWN_EXAMPLE = "    (rank 0 to 3: what your phase_counts gives; exercise 08.phases)\n"
+
 EXERCISES = [
     # ---------------------------------------------------------------- step 05: interleaved
     dict(
@@ -131,8 +151,10 @@ EXERCISES = [
                 "the target logit, SUM of the exp-sums",
         task="The logits stay split by vocabulary range. Shift by the global row maximum (a MAX all-reduce), "
              "find the target's logit (only the rank whose range holds it contributes; a SUM all-reduce), sum "
-             "the exponentials (a SUM all-reduce); loss = log(sum) - target logit. Save the softmax slice "
-             "for the backward.",
+             "the exponentials (a SUM all-reduce); loss = log(sum) - target logit. The backward (left in your copy) "
+             "unpacks three saved tensors, in this order: the softmax slice (exp / sum), the target's index "
+             "in this rank's slice (0 where it is outside), and the mask of tokens whose target is outside the "
+             "slice; save them with ctx.save_for_backward.",
         checks=[("pytest", "tests/test_tensor_parallel.py::test_each_split_layer_matches_the_operation_it_splits[{step}]"),
                 ("equivalence", 2, ["--tp", "2", "--layers", "2", "--microbatches", "1"])],
         hints=["log-sum-exp over a split vocabulary: a shared maximum, a sum of exponentials, and the target's "
@@ -293,10 +315,14 @@ EXERCISES = [
         id="08.phases", step="step08_dualpipe",
         functions=[("dualpipe.py", "phase_counts")],
         summary="return how often each of the eight phases repeats at place i of a V of n ranks crossed by k microbatches",
-        task="DualPipe's table (DeepSeek's dualpipe.py, step 1 to 8): a rank at place i of n, below = n-i-1 "
-             "ranks under it. It starts with 2·below forwards of direction 0 (nF0), then i+1 forwards of both "
-             "(nF0F1), below B1-W1-F1 triples, k-2n+i+1 full pairs (nF0B1F1B0), below nB1F1B0, i+1 nB1B0, "
-             "below nWB0 and i+1 trailing W's (nW).",
+        task="DualPipe's table (DeepSeek's dualpipe.py, steps 1 to 8): how often each of the eight phases "
+             "repeats at place i of a V of n ranks crossed by k microbatches, below = n-i-1 ranks under it. In "
+             "order: forwards of direction 0 that fill the V below (nF0); forwards of both directions as the "
+             "first microbatches come back up (nF0F1); first backwards, each W at once (nB1W1F1); the steady "
+             "state's full pairs (nF0B1F1B0); the last forwards (nB1F1B0); backwards only (nB1B0); the postponed "
+             "W's beside backwards (nWB0); the W's left (nW). Over the eight, every rank runs k F0's, k F1's, "
+             "k B0's and k B1's; the last rank of the V (below = 0) has nothing below it to fill.",
+        hide=[("dualpipe.py", HIDDEN_TABLE, SHOWN_TABLE), ("dualpipe.py", HIDDEN_EXAMPLE, SHOWN_EXAMPLE)],
         checks=[("replay", ["dualpipev"], "two_way"),
                 ("pytest", "tests/test_schedules.py::test_dualpipe_and_dualpipev_follow_the_eight_phases[{step}]")],
         hints=["Each phase runs some of F0, F1, B0, B1, W: over all eight, each pass runs k times.",

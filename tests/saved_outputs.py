@@ -107,15 +107,27 @@ class Recorder(io.TextIOBase):
             self.items.append(("markdown", text) if isinstance(text, str) else ("display", ""))
 
 
+def shared_helpers(step_dir: Path, trees):
+    """The definitions a notebook imports from its step's support/notebook.py (show, table, parse): a source
+    helper there counts as one defined in the notebook."""
+    names = {a.name for tree in trees for n in tree.body
+             if isinstance(n, ast.ImportFrom) and n.module == "support.notebook" for a in n.names}
+    if not names:
+        return []
+    module = ast.parse((step_dir / "support" / "notebook.py").read_text())
+    return [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name in names]
+
+
 class Notebook:
     """One notebook's cells, run piece by piece in one namespace from the step's folder."""
 
-    def __init__(self, path: Path, recorder: Recorder):
+    def __init__(self, path: Path, recorder: Recorder, step_dir: Path):
         self.path, self.recorder = path, recorder
         self.cells = json.loads(path.read_text())["cells"]
         self.trees = {i: ast.parse(cell_code(c)) for i, c in enumerate(self.cells) if c["cell_type"] == "code"}
         self.ns = {"__name__": "__main__", "display": recorder.display}
         defs = [n for tree in self.trees.values() for n in tree.body if isinstance(n, ast.FunctionDef)]
+        defs += shared_helpers(step_dir, self.trees.values())
         # the notebook's own helpers that print source (show, lines) or tables of files (added_lines, numstat)
         self.source_helpers = {d.name for d in defs if called_names(d) & SOURCE_CALLS}
         self.numbered_helpers = {d.name for d in defs if ".getsourcelines" in called_names(d)}
@@ -266,7 +278,7 @@ def check_notebook(step_dir: Path, notebook: Path):
     import IPython.display
     recorder = Recorder()
     IPython.display.display = recorder.display  # what `from IPython.display import display` gets in the cells
-    nb = Notebook(notebook, recorder)
+    nb = Notebook(notebook, recorder, step_dir)
     label = os.path.relpath(notebook, step_dir.parent) if notebook.is_relative_to(step_dir.parent) else str(notebook)
     checked, problems = [], []
     for i, tree in nb.trees.items():

@@ -31,8 +31,9 @@ import pytest
 import exercise
 from check_exercises import failure_lines
 from conftest import STEPS
-from exercises import EXERCISES
 import harness
+from exercises import ALL, EXERCISES
+from exercises_design import CHALLENGES
 from harness import tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,6 +104,8 @@ def test_catalogue_covers_every_step_and_names_real_code():
             assert ast.dump(node.args) == ast.dump(original.args)
         for edit in (*entry["wrong"], *entry["right"]):
             exercise.wrong_answer(entry, edit, (REPO / entry["step"] / edit[1]).read_text())
+        for file, answer, _ in entry.get("hide", ()):
+            assert (REPO / entry["step"] / file).read_text().count(answer) == 1, (entry["id"], answer)
         assert len(exercise.levels(entry)) == len(exercise.HINT_LEVELS), entry["id"]
 
 
@@ -185,6 +188,41 @@ def test_a_failed_launch_is_diagnosed_from_each_rank_traceback():
                      "  Fatal Python error: Segmentation fault"], lines
 
 
+def lab_copy(entry, folder: Path, answer=None) -> Path:
+    """A copy of step 08 holding a design challenge's list: the starter `start` writes, or one of the catalogue's."""
+    prepared(entry, folder, stub=True)
+    if answer:
+        exercise.make_answer(entry, answer, folder)
+    return folder
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["id"]) for e in CHALLENGES])
+def test_design_challenge_starter_and_wrong_lists_fail(entry, tmp_path):
+    """Each design challenge of the lab is an exercise: `list` shows it, its starter list (a valid schedule) fails
+    the lab's first check on the target, and each wrong list fails it with its key words; the drawing of the
+    learner's list lies beside it."""
+    assert entry["id"] in [line.split()[0] for line in run_cli("list")[1][:-1]]
+    n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / "starter"))
+    assert n == 1 and f"challenge {entry['challenge']}" in text and "FAIL" in text, text
+    assert (tmp_path / "starter" / entry["file"]).with_suffix(".png").is_file()
+    for i, wrong in enumerate(entry["wrong"]):
+        n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / f"wrong{i}", wrong))
+        missing = [word for word in wrong[2] if word not in text]
+        assert n == 1 and not missing, f"{entry['id']}, '{wrong[0]}': check {n}, the report lacks {missing}:\n{text}"
+        keyed = [hint for key, hint in (h for h in entry["hints"] if isinstance(h, tuple)) if key in wrong[2]]
+        assert not keyed or exercise.hint_for(entry, text.splitlines()) == keyed[0], (entry["id"], wrong[0])
+
+
+@pytest.mark.exercise_proofs
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["id"]) for e in CHALLENGES])
+def test_design_challenge_right_lists_pass_every_check(entry, tmp_path, request):
+    """Each right list of a design challenge passes the target and the gloo run against one device."""
+    proofs_asked(request)
+    for i, right in enumerate(entry["right"]):
+        n, text, _ = first_failure(entry, lab_copy(entry, tmp_path / f"right{i}", right))
+        assert n is None, f"{entry['id']}, '{right[0]}' fails check {n}:\n{text}"
+
+
 def limit_s(entry):
     """How soon a stub must fail: a schedule's replay in 30 s, a layer's launch of ranks in 60 s."""
     return 60 if entry["step"] in ("step06_tp", "step07_mixed_precision") else 30
@@ -244,7 +282,7 @@ def test_hints_come_in_levels():
     assert code == 0 and len(lines) == 3 and "(k // p) % v" in lines[2], lines
     shown = exercise.hint_lines(entry, ["stage 0: something"], 1)
     assert len(shown) == 2 and "--hint 2" in shown[1] and "(k // p) % v" not in "".join(shown), shown
-    for each in EXERCISES:
+    for each in ALL:
         first, *_, last = exercise.levels(each)
         assert first != last and last not in first, each["id"]
     code, lines = run_cli("check", "05.map", "--hint", "9")
@@ -270,6 +308,23 @@ def test_a_mistake_is_diagnosed_under_force_color():
                        capture_output=True, text=True, timeout=300, env=env)
     assert "hysteresis counts overflows" in done.stdout and "\x1b[" not in done.stdout, done.stdout + done.stderr
     assert len(done.stdout.splitlines()) <= 20, done.stdout
+
+
+def test_the_learners_code_states_no_answer_beside_the_stub(tmp_path):
+    """What `start` stubs, it also cuts from the copy's other text: 04.warmup's docstring formula, 08.phases'
+    table of counts. Control: the course's files hold each cut text."""
+    hiding = [e for e in EXERCISES if e.get("hide")]
+    assert {"04.warmup", "08.phases"} <= {e["id"] for e in hiding}
+    for entry in hiding:
+        folder = tmp_path / entry["id"]
+        folder.mkdir()
+        for file in {f for f, _ in entry["functions"]} | {f for f, _, _ in entry["hide"]}:
+            shutil.copy(REPO / entry["step"] / file, folder / file)
+        exercise.stub_copy(entry, folder)
+        for file, answer, instead in entry["hide"]:
+            assert answer in (REPO / entry["step"] / file).read_text()
+            text = (folder / file).read_text()
+            assert answer not in text and instead in text, (entry["id"], answer)
 
 
 def test_the_learners_notebook_holds_no_answer(tmp_path):

@@ -7,6 +7,7 @@ from fractions import Fraction
 import pytest
 
 import harness
+from exercises_design import one_at_a_time, one_f_one_b as one_f_one_b_plan
 from harness import REPO, launch
 
 STEP = "step08_dualpipe"
@@ -226,26 +227,6 @@ def test_generated_lists_train_bitwise_as_torch(step_dirs, tmp_path, kind):
         assert bitwise == ([True, True] if mode == "grads" else [False, False]), (mode, bitwise)
 
 
-def one_f_one_b_plan(pp, m, warmup, split=False):
-    """1F1B with warmup(stage) forwards before the first backward; split: each B as I then W at once."""
-    backward = [("I", "W")] if split else [("B",)]
-    plan = []
-    for s in range(pp):
-        w = min(warmup(s), m)
-        order = [(s, "F", i) for i in range(w)]
-        for i in range(m - w):
-            order += [(s, "F", w + i)] + [(s, k, i) for k in backward[0]]
-        order += [(s, k, i) for i in range(m - w, m) for k in backward[0]]
-        plan.append(order)
-    return plan
-
-
-def one_at_a_time(pp, m):
-    """The interleaved placement, each microbatch all the way down and back before the next: valid, slow."""
-    return [[(s, kind, mb) for mb in range(m) for s, kind in ((r, "F"), (r + pp, "F"), (r + pp, "B"), (r, "B"))]
-            for r in range(pp)]
-
-
 @pytest.mark.parametrize("name, meets, misses, m", [
     ("stage0-two", lambda: one_f_one_b_plan(4, 8, lambda s: min(4 - s - 1, 1)),
      lambda: one_f_one_b_plan(4, 8, lambda s: 4 - s - 1), 8),
@@ -261,3 +242,11 @@ def test_challenges_are_graded(lab, tmp_path, name, meets, misses, m):
         done = run_lab(path, "--pp", "4", "--microbatches", str(m), "--no-run", "--challenge", name)
         assert done.returncode == expected and f"challenge {name}" in done.stdout, done.stdout + done.stderr
 
+
+
+def test_the_catalogues_interleaved_m6_answer_is_torchs_order():
+    """The right answer tests/exercises_design.py gives for interleaved-m6 is torch's ScheduleInterleaved1F1B at
+    p 4, m 6, action for action. Control: torch's order at m 4 is not it."""
+    from exercises_design import TORCH_INTERLEAVED_4_6, csv_text
+    assert csv_text(torch_order("interleaved", 4, 6)) == TORCH_INTERLEAVED_4_6
+    assert csv_text(torch_order("interleaved", 4, 4)) != TORCH_INTERLEAVED_4_6

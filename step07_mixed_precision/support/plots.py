@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
-from matplotlib.patches import Patch
+from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
 from support.timeline import busy_fractions, measured_steps
 
@@ -177,3 +177,115 @@ def import_replay():
             sys.path.insert(0, str(folder / "tests"))
             return importlib.import_module("replay")
     raise FileNotFoundError("no tests/replay.py above this folder: keep your copy of the step inside the course")
+
+
+# ------------------------------------------------------------------------------------- step 06's picture
+
+TP_COLORS = (plt.cm.tab10(0), plt.cm.tab10(1))  # rank 0, rank 1
+TP_WHOLE = "0.85"  # the same on both ranks
+
+
+def _box(ax, x, y, w, h, label="", color=TP_WHOLE, name=""):
+    """A box with its top-left corner at (x, y), a label inside and a name under it."""
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", alpha=0.75))
+    ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=10)
+    ax.text(x + w / 2, y + h + 0.12, name, ha="center", va="top", fontsize=9)
+
+
+def _matrix(ax, x, y, w, h, name, split=None, labels=("",), colors=(TP_WHOLE,)):
+    """A w x h matrix cut into equal parts along its rows or its columns, one part per rank."""
+    n = len(colors)
+    for i, (color, label) in enumerate(zip(colors, labels)):
+        _box(ax, *((x, y + i * h / n, w, h / n) if split == "rows" else
+                   (x + i * w / n, y, w / n, h) if split == "cols" else (x, y, w, h)), label, color)
+    ax.text(x + w / 2, y + h + 0.15, name, ha="center", va="top", fontsize=9)
+
+
+def draw_tensor_parallel():
+    """Step 06's picture: a column-parallel and a row-parallel layer on 2 ranks, then one block with f and g."""
+    fig, axes = plt.subplot_mosaic([["col", "row"], ["block", "block"]], figsize=(12, 6.4),
+                                   gridspec_kw=dict(height_ratios=[1, 0.9]))
+    IN, OUT, T = 2.4, 3.0, 2.0  # box sizes: input features, output features, tokens
+    ax = axes["col"]
+    _matrix(ax, 0, 0.5, IN, T, "x [tokens, in]\nwhole, on both ranks", labels=("$x$",))
+    _matrix(ax, 3.4, 0, IN, OUT, "W [out, in]\nsplit by rows", "rows", ("$W_0$", "$W_1$"), TP_COLORS)
+    _matrix(ax, 6.8, 0.5, OUT, T, "y = x W$^T$ [tokens, out]\nsplit by columns", "cols",
+           ("$x W_0^T$", "$x W_1^T$"), TP_COLORS)
+    ax.set_title("column-parallel: no communication")
+    ax = axes["row"]
+    _matrix(ax, 0, 0.5, IN, T, "x [tokens, in]\nsplit by columns", "cols", ("$x_0$", "$x_1$"), TP_COLORS)
+    _matrix(ax, 3.4, 0, IN, OUT, "W [out, in]\nsplit by columns", "cols", ("$W_0$", "$W_1$"), TP_COLORS)
+    _matrix(ax, 6.8, 0.5, OUT, T, "y = x W$^T$ [tokens, out], on both ranks\n"
+           "g: all-reduce of the partial outputs", labels=("$x_0 W_0^T + x_1 W_1^T$",))
+    ax.set_title("row-parallel: one all-reduce")
+    for ax in (axes["col"], axes["row"]):
+        ax.text(2.9, 1.5, "·", fontsize=22, ha="center", va="center")
+        ax.text(6.3, 1.5, "=", fontsize=16, ha="center", va="center")
+        ax.set_xlim(-0.2, 10.0)
+        ax.set_ylim(3.9, -0.2)
+
+    ax = axes["block"]  # one block: f, a column-parallel layer, an element-wise function, a row-parallel layer, g
+    for r in range(2):
+        labels = ("$x$", f"$h_{r} = x A_{r}^T$", f"silu$(h_{r})$", f"silu$(h_{r}) B_{r}^T$", "$y$")
+        for i, label in enumerate(labels):
+            _box(ax, 2.2 * i, 1.1 * r, 1.5, 0.7, label, TP_WHOLE if i in (0, 4) else TP_COLORS[r])
+            if i:
+                ax.annotate("", (2.2 * i, 1.1 * r + 0.35), (2.2 * i - 0.8, 1.1 * r + 0.35),
+                            arrowprops=dict(arrowstyle="->"))
+        ax.text(-0.2, 1.1 * r + 0.35, f"rank {r}", ha="right", va="center", fontsize=10)
+    for x, text in ((1.8, "$f$: forward identity,\nbackward all-reduce"),
+                    (8.4, "$g$: forward all-reduce,\nbackward identity")):
+        ax.add_patch(Rectangle((x - 0.07, -0.15), 0.14, 2.1, color="black"))
+        ax.text(x, 2.05, text, ha="center", va="top", fontsize=10)
+    ax.set_xlim(-1.2, 10.4)
+    ax.set_ylim(2.6, -0.3)
+    ax.set_title("one block, column-parallel $A$ then row-parallel $B$: all-reduces only at its two ends")
+    for ax in axes.values():
+        ax.axis("off")
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.75) for c in (*TP_COLORS, TP_WHOLE)],
+               labels=["held by rank 0", "held by rank 1", "the same on both ranks"], loc="lower center", ncol=3,
+               frameon=False)
+    plt.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+# ------------------------------------------------------------------------------------- step 07's picture
+
+
+def draw_mixed_precision_flow():
+    """Step 07's picture: one step's path from half-precision stages to the fp32 optimizer and back."""
+    BOXES = [  # (x, y, text, color): half precision in orange, fp32 in blue
+        (0.0, 2.0, "stage weight $w$\n(bf16/fp16)", "tab:orange"),
+        (3.2, 2.0, "forward, backward\nof microbatch $i$\n(half)", "tab:orange"),
+        (6.4, 2.0, "$w$.grad\n(half)", "tab:orange"),
+        (9.6, 2.0, "main_grad\n$+{=}$ grad.float()\n(fp32, $m$ times)", "tab:blue"),
+        (9.6, 0.0, "DP all-reduce; $\\times 1/S$;\nfound_inf? norm, clip\n(fp32)", "tab:blue"),
+        (4.8, 0.0, "master $w_{32}$\nAdamW step\n(fp32)", "tab:blue"),
+        (0.0, 0.0, "copy back:\n$w \\leftarrow$ cast($w_{32}$)", "tab:orange")]
+    ARROWS = [(0, 1, "weights"), (1, 2, "scaled by $S$"), (2, 3, "hook, then\ngrad = None"), (3, 4, "after $m$"),
+              (4, 5, "unless skipped"), (5, 6, ""), (6, 0, "next step")]
+    W, H = 2.4, 1.1
+    fig, ax = plt.subplots(figsize=(12, 3.6))
+    for x, y, text, color in BOXES:
+        ax.add_patch(FancyBboxPatch((x, y), W, H, boxstyle="round,pad=0.05", facecolor=color, alpha=0.3,
+                                    edgecolor="black"))
+        ax.text(x + W / 2, y + H / 2, text, ha="center", va="center", fontsize=9)
+    for a, b, label in ARROWS:
+        (xa, ya, *_), (xb, yb, *_) = BOXES[a], BOXES[b]
+        if ya == yb:  # horizontal
+            start, end = (((xa + W, ya + H / 2), (xb, yb + H / 2)) if xb > xa else
+                          ((xa, ya + H / 2), (xb + W, yb + H / 2)))
+        else:  # vertical
+            start, end = (((xa + W / 2, ya), (xb + W / 2, yb + H)) if ya > yb else
+                          ((xa + W / 2, ya + H), (xb + W / 2, yb)))
+        ax.annotate("", end, start, arrowprops=dict(arrowstyle="->", lw=1.5))
+        ax.text((start[0] + end[0]) / 2 + (0.1 if ya != yb else 0), (start[1] + end[1]) / 2 + 0.12, label,
+                ha="center" if ya == yb else "left", va="bottom", fontsize=8)
+    ax.set_xlim(-0.3, 12.3)
+    ax.set_ylim(-0.3, 3.5)
+    ax.axis("off")
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.3) for c in ("tab:orange", "tab:blue")],
+               labels=["half precision (the stages)", "fp32 (the optimizer)"], loc="lower center", ncol=2,
+               frameon=False)
+    plt.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
