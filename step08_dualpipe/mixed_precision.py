@@ -97,6 +97,8 @@ class MixedPrecisionOptimizer:
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)
+        if getattr(self.pgm, "ep", 1) > 1:  # experts.py: the other experts sit in the expert group's replicas
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.ep_group)
         return bool(found.item())
 
     def counted_once(self, param) -> bool:
@@ -107,12 +109,14 @@ class MixedPrecisionOptimizer:
 
     def global_norm(self) -> float:
         """The L2 norm of the whole model's main gradients: local squares, summed over the replica."""
-        squares = torch.zeros((), device=self.params[0].device)
+        squares = torch.zeros(2, device=self.params[0].device)  # the rest of the model, the experts
         for p, g in zip(self.params, self.main_grads()):
             if g is not None and self.counted_once(p):
-                squares = squares + g.float().pow(2).sum()
+                squares[int(getattr(p, "expert", False))] += g.float().pow(2).sum()
         dist.all_reduce(squares, group=self.pgm.model_parallel_group)
-        return squares.sqrt().item()
+        if getattr(self.pgm, "ep", 1) > 1:  # experts.py: each rank of an expert group holds 1/ep of the experts
+            dist.all_reduce(squares[1:], group=self.pgm.ep_group)
+        return squares.sum().sqrt().item()
 
     def step(self) -> dict:
         """Unscale, check, clip, step the masters, copy them back; returns what the log shows."""

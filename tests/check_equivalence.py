@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moe_reference import reference_experts
+
 REFERENCE_STEPS = 3
 
 
@@ -299,6 +301,24 @@ def reference_pipedream(args, out_case: Path):
     torch.save(dict(losses=step_losses, weights=weights), out_case / "reference.pt")
 
 
+def plant(argv):
+    """A negative control named by a case's leading `--control NAME` (not a train.py flag): (the flags without
+    it, a function that takes the planted bug out again). expert-grads-over-dp: step 08's expert gradients
+    averaged over the whole data-parallel group, as a dense layer's are, instead of the experts' own groups."""
+    if argv[:1] != ["--control"]:
+        return argv, lambda: None
+    import finalize_grads
+
+    assert argv[1] == "expert-grads-over-dp", argv[1]
+    original = finalize_grads.average_expert_gradients
+    finalize_grads.average_expert_gradients = finalize_grads.average_gradients
+
+    def undo():
+        finalize_grads.average_expert_gradients = original
+
+    return argv[2:], undo
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -317,12 +337,18 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         out_case = out / f"case{i}"
         out_case.mkdir(exist_ok=True)
         pipedream = "--schedule" in argv and argv[argv.index("--schedule") + 1].startswith("pipedream")
+        argv, undo = plant(argv)
         args = (pipedream_run if pipedream else pipelined)(train, argv, device, out_case, rank)
+        undo()
         if rank == 0:
             status(out, rank, f"[{' '.join(argv)}]: single-device reference")
             half = getattr(args, "precision", "fp32") != "fp32"
-            (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
-            if getattr(args, "schedule", None) == "dualpipev" and not half:  # bitwise against this one
+            if getattr(args, "experts", 0):  # step 08's mixture of experts: the test's own MoE (moe_reference.py)
+                reference_experts(args, out_case)
+            else:
+                (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
+            # DualPipeV, dense: also bitwise against this one
+            if getattr(args, "schedule", None) == "dualpipev" and not half and not getattr(args, "experts", 0):
                 reference_microbatched(args, out_case, "reference_microbatched.pt")
         dist.barrier()
     status(out, rank, "done")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 COMPUTE = ("forward", "backward", "recompute", "B", "W")  # B and W: a backward split in two (step 08)
+ALL_TO_ALL = "all-to-all"  # step 08's experts: dispatch, combine and their counts, nested in F, B or W
 WRITER = "pipeline parallelism from scratch, timeline.py"  # a trace's first key says the course wrote it
 TRACE_MARK = json.dumps({"otherData": {"written_by": WRITER}})[:-2].encode()  # how such a trace begins (config.py)
 
@@ -124,12 +125,13 @@ def step_start(events, step: int) -> float:
     return min(e["start"] for e in events if e["step"] == step)
 
 
-def busy_fractions(events, world_size: int, steps):
-    """Mean over `steps` of each rank's compute time / pipeline window."""
+def busy_fractions(events, world_size: int, steps, kinds=COMPUTE):
+    """Mean over `steps` of each rank's time in `kinds` (compute) / pipeline window."""
     fractions = [0.0] * world_size
     for step in steps:
-        step_events = [e for e in events if e["step"] == step and e["kind"] in COMPUTE]
-        window = max(e["end"] for e in step_events) - step_start(events, step)
+        window = max(e["end"] for e in events if e["step"] == step and e["kind"] in COMPUTE) - \
+            step_start(events, step)
+        step_events = [e for e in events if e["step"] == step and e["kind"] in kinds]
         for r in range(world_size):
             busy = sum(e["end"] - e["start"] for e in step_events if e["rank"] == r)
             fractions[r] += busy / window / len(steps)
@@ -154,8 +156,11 @@ def bubble_report(events, world_size: int, formula_text: str, formula_value: flo
     busy = busy_fractions(events, world_size, steps)
     lines = [f"bubble, measured over steps {steps[0]}..{steps[-1]} "
              f"vs formula {formula_text} = {formula_value:.3f}"]
+    a2a = busy_fractions(events, world_size, steps, (ALL_TO_ALL,)) if any(e["kind"] == ALL_TO_ALL for e in events) \
+        else None  # inside the busy time: a layer's compute waits for its all-to-all
     for r, b in enumerate(busy):
-        lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}")
+        lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}" +
+                     (f"  of which all-to-all {a2a[r]:.3f}" if a2a else ""))
     return lines
 
 
