@@ -220,12 +220,16 @@ class MoE(nn.Module):
         parts = rows.split(plan.per_expert)
         return torch.cat([expert(part) for expert, part in zip(self.experts.values(), parts)])
 
-    def combine(self, out, plan):
-        """Node 4: the rows back to their tokens' ranks (the inverse all-to-all), each times its router
-        weight, summed over the token's k experts. [R, h] -> [b, t, h]."""
+    def collect(self, out, plan):
+        """Dispatch's inverse: the rows back to the ranks they came from, in the order they left. [R, h] -> [T*k, h]"""
         back = torch.empty_like(out)
         back[plan.regroup] = out  # undo the grouping by local expert
-        rows = AllToAll.apply(back, plan.recv, plan.send, self.ep)  # [T*k, h], sorted by expert
+        return AllToAll.apply(back, plan.recv, plan.send, self.ep)  # the splits swapped
+
+    def combine(self, out, plan):
+        """Node 4: the rows back to their tokens' ranks (collect), each times its router weight, summed over
+        the token's k experts. [R, h] -> [b, t, h]."""
+        rows = self.collect(out, plan)  # [T*k, h], sorted by expert
         weighted = rows * plan.weights.flatten()[plan.order].unsqueeze(-1).to(rows.dtype)
         y = torch.zeros(plan.shape, dtype=rows.dtype, device=rows.device).view(-1, rows.size(-1))
         return y.index_add(0, plan.token, weighted).view(plan.shape)
