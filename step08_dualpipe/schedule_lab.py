@@ -229,9 +229,15 @@ class ListRunner:
         self.chunk = {stage: c for c, stage in enumerate(stages_of(plan, comm.stage))}
         self.arriving = {}  # (direction, stage, mb) -> (wait, buffer), or (None, tensor) from this rank
 
+    def rank_at(self, position: int) -> int:
+        """The global rank at pipeline position `position` of this rank's pipeline (the list's row): a pipeline's
+        ranks lie dp x tp apart (process_groups.grid_rank), the distance to this rank's next one."""
+        stride = (self.comm.next_rank - dist.get_rank()) % dist.get_world_size()
+        return dist.get_rank() + (position - self.comm.stage) * stride
+
     def receive(self, direction: str, stage: int, mb: int):
         """Post the receive of stage's input: an activation from stage-1, or a gradient from stage+1."""
-        peer = self.where[stage - 1 if direction == "F" else stage + 1]
+        peer = self.rank_at(self.where[stage - 1 if direction == "F" else stage + 1])
         buffer = self.comm.queue_recv(peer, "activation" if direction == "F" else "gradient")
         self.arriving[direction, stage, mb] = (self.comm.commit(wait=False), buffer)
 
@@ -252,7 +258,8 @@ class ListRunner:
         if self.where[to_stage] == self.comm.stage:
             self.arriving[direction, to_stage, mb] = (None, tensor.detach())
         else:
-            self.comm.queue_send(tensor, self.where[to_stage], "activation" if direction == "F" else "gradient")
+            what = "activation" if direction == "F" else "gradient"
+            self.comm.queue_send(tensor, self.rank_at(self.where[to_stage]), what)
             self.comm.commit()
 
     def compute(self, action: Action):

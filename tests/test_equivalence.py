@@ -127,7 +127,7 @@ EXPERTS = ["--layers", "4", "--microbatches", "4", "--experts", "4"]
 EP2 = ["--pp", "2", "--dp", "2", "--ep", "2"]
 CASES += [
     *[case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--schedule", schedule)
-      for schedule in ("1f1b", "zb1p", "dualpipev")],
+      for schedule in ("1f1b", "zb1p", "dualpipev", "zbv")],
     case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "1", "--schedule", "dualpipe"),
     case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "1", "--virtual-stages", "2"),
     case("step08_dualpipe", 2, "--dp", "2", *EXPERTS, "--top-k", "2"),
