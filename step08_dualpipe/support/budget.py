@@ -6,7 +6,8 @@ cannot fit; it counts, for each stage,
 
 - 16 bytes per parameter of its decoder layers: the fp32 weight, its gradient and AdamW's two
   moments (the embedding and the head, and step 07's fp32 masters beside half weights, are extra);
-  with experts (experts.py) a layer holds E/ep SwiGLU experts and a router instead of one SwiGLU;
+  with experts (experts.py) a layer holds E/ep SwiGLU experts and a router instead of one SwiGLU,
+  and a rank's dispatched activations are its expert group's mean (a lower bound of their sum);
 - the activations autograd saves for one microbatch in one decoder layer (layer_activations,
   read off model.py's forward), times the layers of a model chunk, times the (chunk, microbatch)
   pairs the schedule's own formula says the stage holds at its peak; with --recompute a stored
@@ -38,9 +39,10 @@ def layer_activations(tokens: int, hidden: int, mlp_hidden: int, heads: int, tp:
     heads side by side that wo reads (7 x hidden), and SDPA's log-sum-exp (one per head); the SwiGLU keeps
     gate, silu(gate), up and their product (4 x mlp_hidden). TP splits the heads and the MLP width.
     With k > 0 (experts.py, top-k) each token is dispatched to k experts: k rows of hidden numbers reach the
-    experts, each kept with its 4 x mlp_hidden (under expert parallelism the mean over a group's ranks).
+    experts, each kept with its SwiGLU's 4 x mlp_hidden, and k rows come back, kept to be weighted by the router.
+    Under expert parallelism the rows a rank receives depend on the routing: this is their mean over the group.
     """
-    mlp = k * (hidden + 4 * mlp_hidden) if k else 4 * mlp_hidden
+    mlp = k * (2 * hidden + 4 * mlp_hidden) if k else 4 * mlp_hidden
     return tokens * (4 * hidden + 2 + (7 * hidden + heads + mlp) // tp)
 
 
