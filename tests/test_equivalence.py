@@ -130,6 +130,7 @@ CASES += [
       for schedule in ("1f1b", "zb1p", "dualpipev", "zbv")],
     case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "1", "--schedule", "dualpipe"),
     case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "1", "--virtual-stages", "2"),
+    case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--recompute"),  # the first forward builds no graph
     case("step08_dualpipe", 2, "--dp", "2", *EXPERTS, "--top-k", "2"),
 ]
 # The experts' control: their gradients averaged over the whole dp group (check_equivalence.plant) must fail.

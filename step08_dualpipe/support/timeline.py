@@ -3,7 +3,8 @@
 Each rank appends one event per forward, backward, recompute, send and receive
 (a receive's length is mostly time spent waiting for the peer), and from step 06
 on per tensor-parallel collective (nested in the forward or backward that made
-it): its kind, rank, step, microbatch (None for messages, which carry no label),
+it; in step 08 also per all-to-all of the experts, whose share the bubble report
+prints): its kind, rank, step, microbatch (None for messages, which carry no label),
 model chunk, what travelled and the bytes this rank sent, where they apply, and
 its start and end in seconds of wall-clock time, a clock that all processes of
 a machine share (and that NTP keeps close across machines), so events of
