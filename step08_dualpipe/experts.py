@@ -145,9 +145,10 @@ class Plan:
 
 
 def split_counts(chosen, n_experts: int, ep: EPGroup):
-    """The count exchange: tokens this rank sends to each expert [E] -> (send, recv per rank, and
-    received[src, j]: rows rank src sends to local expert j). A collective, before dispatch: the sizes
-    of the all-to-all must be known on both sides, and .tolist() waits for them on the host."""
+    """The count exchange. chosen [T, k] -> (send[r], recv[r]: rows to and from rank r; received [ep, E/ep]:
+    the rows rank src sends to this rank's expert j; counts [E]: this rank's rows for each expert). A collective,
+    before dispatch: both sides of the all-to-all must know its sizes, and .tolist() waits for them on the host.
+    Rank r holds experts r*E/ep .. (r+1)*E/ep - 1, so a rank's rows are its experts' counts summed."""
     counts = torch.bincount(chosen.flatten(), minlength=n_experts)  # [E], experts of rank r contiguous
     local = n_experts // ep.size
     received = counts
@@ -157,6 +158,17 @@ def split_counts(chosen, n_experts: int, ep: EPGroup):
             dist.all_to_all_single(received, counts, group=ep.group)  # equal splits: E/ep counts per rank
     received = received.view(ep.size, local)
     return counts.view(ep.size, local).sum(1).tolist(), received.sum(1).tolist(), received, counts
+
+
+def permutation(chosen, received):
+    """Dispatch's two reorderings. chosen [T, k]: each token's experts (assignment t*k+j is token t's j-th);
+    received [ep, E/ep]: the rows each rank sends to each of this rank's experts (split_counts).
+    -> order [T*k]: the assignments sorted by expert, so by destination rank (stable: by token within an expert);
+       regroup [R]: the arrived rows, which come by source rank and then by expert, sorted by local expert."""
+    order = torch.sort(chosen.flatten(), stable=True).indices
+    local_expert = torch.arange(received.size(1), device=chosen.device).repeat(received.size(0))  # [ep * E/ep]
+    regroup = torch.sort(local_expert.repeat_interleave(received.flatten()), stable=True).indices
+    return order, regroup
 
 
 class MoE(nn.Module):
@@ -202,12 +214,9 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, x.size(-1))  # [T, h]
         probs, chosen, weights = self.route(x2)
         weights = self.record(probs, chosen, weights)
-        order = torch.sort(chosen.flatten(), stable=True).indices  # [T*k], assignment t*k+j is token t
-        token = order // self.k
         send, recv, received, _ = split_counts(chosen, self.n_experts, self.ep)
-        # Received rows come by source rank, then by expert; local expert j's rows are made contiguous.
-        local_expert = torch.arange(received.size(1), device=x.device).repeat(received.size(0))
-        regroup = torch.sort(local_expert.repeat_interleave(received.flatten()), stable=True).indices
+        order, regroup = permutation(chosen, received)
+        token = order // self.k  # the token of each sorted assignment
         plan = Plan(order, token, send, recv, regroup, received.sum(0).tolist(), weights, x.shape)
         return x2[token], plan  # [T*k, h]
 
