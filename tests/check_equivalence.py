@@ -61,8 +61,9 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
     # (replica, TP rank, TP size): no data parallelism before step 03 (no run.pgm), no TP before step 06.
     pgm = getattr(run, "pgm", None)
     place = (getattr(pgm, "dp_rank", 0), getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1))
+    norms = [r.get("grad_norm") for r in records]  # step 07 on: the global gradient norm of each step
     torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place, memory=memory,
-                    masters={n: t.detach().cpu().clone() for n, t in masters.items()}, scales=scales),
+                    masters={n: t.detach().cpu().clone() for n, t in masters.items()}, scales=scales, norms=norms),
                out_case / f"rank{rank}.pt")
     return args
 
@@ -303,18 +304,30 @@ def reference_pipedream(args, out_case: Path):
 
 def plant(argv):
     """A negative control named by a case's leading `--control NAME` (not a train.py flag): (the flags without
-    it, a function that takes the planted bug out again). expert-grads-over-dp: step 08's expert gradients
-    averaged over the whole data-parallel group, as a dense layer's are, instead of the experts' own groups."""
+    it, a function that takes the planted bug out again). Step 08's experts: expert-grads-over-dp averages the
+    expert gradients over the whole data-parallel group, as a dense layer's are, instead of the experts' own
+    groups; expert-norm-of-one-replica sums the global gradient norm over one replica, as if it held every expert
+    (pgm.ep set to 1 after the build: only the norm and the overflow check read it)."""
     if argv[:1] != ["--control"]:
         return argv, lambda: None
     import finalize_grads
+    import train
 
-    assert argv[1] == "expert-grads-over-dp", argv[1]
-    original = finalize_grads.average_expert_gradients
-    finalize_grads.average_expert_gradients = finalize_grads.average_gradients
+    original, build = finalize_grads.average_expert_gradients, train.build
+
+    def one_replica_build(args, device):
+        run = build(args, device)
+        run.pgm.ep = 1
+        return run
+
+    if argv[1] == "expert-grads-over-dp":
+        finalize_grads.average_expert_gradients = finalize_grads.average_gradients
+    else:
+        assert argv[1] == "expert-norm-of-one-replica", argv[1]
+        train.build = one_replica_build
 
     def undo():
-        finalize_grads.average_expert_gradients = original
+        finalize_grads.average_expert_gradients, train.build = original, build
 
     return argv[2:], undo
 

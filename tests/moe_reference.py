@@ -3,7 +3,8 @@ with the step's MoE code: every expert in one process, run on every token, weigh
 for the experts a token did not choose. No permutation, no all-to-all, no split sizes.
 
     dense_moe(moe, x, k, aux_terms)   one layer's MoE, from the step's parameters (its names and init)
-    reference_experts(args, out_case) 3 AdamW steps of the whole model, saved as check_equivalence saves
+    reference_experts(args, out_case) 3 AdamW steps of the whole model, saved as check_equivalence saves, with
+                                      each step's global gradient norm (under ep the norm sums every expert)
 
 The routing rule written independently: softmax in fp32, then k times the argmax (torch.argmax returns the
 first of equal maxima, so the lower expert index wins a tie), the k probabilities renormalised. The aux
@@ -62,7 +63,7 @@ def reference_experts(args, out_case: Path):
     params = dict(net.named_parameters())
     optimizer = torch.optim.AdamW(params.values(), lr=args.lr)
     tokens, m, rows = data.load_tokens(args.data), args.microbatches, args.batch_size // args.dp
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for step in range(3):
         inputs, targets = data.get_batch(tokens, step, args.batch_size, args.seq_len, args.seed)
         total, loss_sum = {n: torch.zeros_like(p) for n, p in params.items()}, 0.0
@@ -79,9 +80,10 @@ def reference_experts(args, out_case: Path):
         losses.append(loss_sum / args.dp)
         for n, p in params.items():
             p.grad = total[n] / args.dp
+        norms.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in params.values())).item())
         if step == 0:
             grads = {n: p.grad.clone() for n, p in params.items()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     weights = {n: p.detach().clone() for n, p in params.items()}
-    torch.save(dict(losses=losses, grads=grads, weights=weights), out_case / "reference.pt")
+    torch.save(dict(losses=losses, grads=grads, weights=weights, norms=norms), out_case / "reference.pt")

@@ -133,9 +133,10 @@ CASES += [
     case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--recompute"),  # the first forward builds no graph
     case("step08_dualpipe", 2, "--dp", "2", *EXPERTS, "--top-k", "2"),
 ]
-# The experts' control: their gradients averaged over the whole dp group (check_equivalence.plant) must fail.
-EXPERT_GRADS_OVER_DP = pytest.param("step08_dualpipe", 4, ["--control", "expert-grads-over-dp", *TINY, *EP2,
-                                                           *EXPERTS, "--top-k", "2"], id="expert-grads-over-dp")
+# The experts' controls (check_equivalence.plant), which must fail: their gradients averaged over the whole dp
+# group; the global gradient norm summed over one replica, which holds half the experts.
+EXPERT_CONTROLS = [pytest.param("step08_dualpipe", 4, ["--control", name, *TINY, *EP2, *EXPERTS, "--top-k", "2"],
+                                id=name) for name in ("expert-grads-over-dp", "expert-norm-of-one-replica")]
 # The control: without weight stashing PipeDream's backwards read changed weights, and the run must
 # leave the reference (and the stashing check) behind.
 NO_STASHING = case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--no-weight-stashing")
@@ -173,7 +174,7 @@ def group_results(step_dirs, tmp_path_factory, replay_at_fault):
 
     def run(step, world):
         if (step, world) not in cache:
-            flags = [p.values[2] for p in [*CASES, NO_STASHING, EXPERT_GRADS_OVER_DP] if p.values[:2] == (step, world)
+            flags = [p.values[2] for p in [*CASES, NO_STASHING, *EXPERT_CONTROLS] if p.values[:2] == (step, world)
                      and not replay_at_fault(step, case_schedule(p.values[2]))]
             out = tmp_path_factory.mktemp(f"{step}-world{world}")
             failures = run_cases(step_dirs[step], world, flags, out, timeout=60 + 20 * len(flags))
@@ -206,14 +207,17 @@ def test_pipedream_without_weight_stashing_fails(group_results, replay_passes):
     assert any("read version" in e for e in versions_errors(case_dir, world, label))
 
 
-def test_expert_gradients_averaged_over_the_whole_dp_group_fail(group_results, replay_passes):
-    """The control for the expert cases: with ep 2 a dp all-reduce adds expert 0's gradient to expert 2's."""
-    step, world, flags = EXPERT_GRADS_OVER_DP.values
+@pytest.mark.parametrize("control, found", [("expert-grads-over-dp", "mlp.experts"), ("expert-norm-of-one-replica",
+                                                                                          "grad norm")])
+def test_the_expert_controls_fail(control, found, group_results, replay_passes):
+    """The controls of the expert cases: with ep 2 a dp all-reduce adds expert 0's gradient to expert 2's; a
+    norm summed over one replica leaves out half the experts. Each checker names what it found."""
+    step, world, flags = next(p.values for p in EXPERT_CONTROLS if p.id == control)
     replay_passes(step, "1f1b")
     case_dir, failure = group_results(step, world)[tuple(flags)]
     assert failure is None, failure
-    errors = compare_case(case_dir, world, "expert-grads-over-dp", RTOL, WEIGHT_RTOL)
-    assert any("mlp.experts" in e for e in errors), "expert gradients averaged over dp still matched"
+    errors = compare_case(case_dir, world, control, RTOL, WEIGHT_RTOL)
+    assert any(found in e for e in errors), f"{control} still matched: {errors[:3]}"
 
 
 # DualPipeV in fp32 computes each microbatch's gradient and adds them in microbatch order, as the reference
