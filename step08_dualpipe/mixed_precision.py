@@ -109,14 +109,17 @@ class MixedPrecisionOptimizer:
 
     def global_norm(self) -> float:
         """The L2 norm of the whole model's main gradients: local squares, summed over the replica."""
-        squares = torch.zeros(2, device=self.params[0].device)  # the rest of the model, the experts
+        squares = experts = torch.zeros((), device=self.params[0].device)
         for p, g in zip(self.params, self.main_grads()):
-            if g is not None and self.counted_once(p):
-                squares[int(getattr(p, "expert", False))] += g.float().pow(2).sum()
-        dist.all_reduce(squares, group=self.pgm.model_parallel_group)
+            if g is not None and self.counted_once(p) and getattr(p, "expert", False):
+                experts = experts + g.float().pow(2).sum()
+            elif g is not None and self.counted_once(p):
+                squares = squares + g.float().pow(2).sum()
         if getattr(self.pgm, "ep", 1) > 1:  # experts.py: each rank of an expert group holds 1/ep of the experts
-            dist.all_reduce(squares[1:], group=self.pgm.ep_group)
-        return squares.sum().sqrt().item()
+            dist.all_reduce(experts, group=self.pgm.ep_group)
+        squares = squares + experts
+        dist.all_reduce(squares, group=self.pgm.model_parallel_group)
+        return squares.sqrt().item()
 
     def step(self) -> dict:
         """Unscale, check, clip, step the masters, copy them back; returns what the log shows."""
