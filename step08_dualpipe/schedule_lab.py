@@ -29,8 +29,6 @@ import csv
 import re
 from collections import namedtuple
 
-import torch.distributed as dist
-
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
 from support.timeline import gather_events
 from torch_schedules import GENERATORS, idle_formula, peak_formula
@@ -230,10 +228,15 @@ class ListRunner:
         self.arriving = {}  # (direction, stage, mb) -> (wait, buffer), or (None, tensor) from this rank
 
     def rank_at(self, position: int) -> int:
-        """The global rank at pipeline position `position` of this rank's pipeline (the list's row): a pipeline's
-        ranks lie dp x tp apart (process_groups.grid_rank), the distance to this rank's next one."""
-        stride = (self.comm.next_rank - dist.get_rank()) % dist.get_world_size()
-        return dist.get_rank() + (position - self.comm.stage) * stride
+        """The global rank at pipeline position `position` of this rank's pipeline (the list's row). A pipeline's
+        ranks lie dp x tp apart (process_groups.grid_rank): this rank's two ring neighbours give that stride."""
+        comm, pp = self.comm, self.comm.num_stages
+        if pp == 2:  # the other position is both neighbours
+            return comm.next_rank
+        end = comm.stage in (0, pp - 1)  # its ring neighbours: one next to it, one at the pipeline's far end
+        stride = (comm.prev_rank - comm.next_rank) // (pp - 2) if end else (comm.next_rank - comm.prev_rank) // 2
+        mine = comm.prev_rank + stride if comm.stage == pp - 1 else comm.next_rank - stride
+        return mine + (position - comm.stage) * stride
 
     def receive(self, direction: str, stage: int, mb: int):
         """Post the receive of stage's input: an activation from stage-1, or a gradient from stage+1."""
