@@ -22,6 +22,7 @@ from mixed_precision import DTYPES as PRECISIONS
 from model import ModelConfig
 from p2p import ORDERINGS
 import dualpipe
+import experts
 import pipedream
 import schedule
 from support import outputs
@@ -81,6 +82,7 @@ def build_parser(description=None):
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split each stage's layers")
     group.add_argument("--scatter-gather", action="store_true",
                        help="each TP rank sends 1/tp of every pipeline message; the receivers all-gather it")
+    experts.add_flags(p)
     group = p.add_argument_group("precision", "number formats and the loss scale")
     group.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16: the type of the stages' weights, "
                        "activations and pipeline messages (fp32 master weights and gradient sums either way)")
@@ -382,6 +384,7 @@ def check_config(args, world_size: int, gpus: int):
     try:  # each add-on's own flags and rules
         for add_on in ADD_ONS:
             add_on.check_flags(args, gpus)
+        experts.check_flags(args)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_model(args)

@@ -50,6 +50,17 @@ def average_gradients(grads, pgm):
     all_reduce_flat(grads, pgm.dp_group, divide_by=pgm.dp)
 
 
+def average_expert_gradients(grads, pgm):
+    """Step 08, experts.py: an expert's gradient already sums the tokens its expert group (ep replicas) sent it.
+    Summed over the dp/ep groups that hold a copy of it, it has every replica's tokens; divided by dp, it is the
+    gradient of the global batch's mean loss, as the averaged gradients of the rest of the model are."""
+    if pgm.dp // pgm.ep > 1:
+        all_reduce_flat(grads, pgm.expert_dp_group, what="expert gradients", divide_by=pgm.dp)
+    elif pgm.dp > 1:  # one copy of each expert: nothing to add, only the 1/dp of the mean
+        for g in grads:
+            g /= pgm.dp
+
+
 def sum_embedding_grads(model, pgm):
     """All-reduce the tied embedding's gradient between the first and the last stage
     (call it only with tied embeddings: untied, the first stage's embedding has no partner)."""
@@ -73,6 +84,9 @@ def finalize_model_grads(model, grads, pgm, tie_embeddings=False):
     if pgm.twin_group is not None:  # DualPipe: each stage's two copies saw one direction each
         names = [name for name, _ in model.named_parameters()]
         sum_twin_gradients(dict(zip(names, grads)), pgm.twin_group)
-    average_gradients(grads, pgm)
+    experts = [getattr(p, "expert", False) for p in model.parameters()]  # experts.py: held by dp/ep replicas
+    average_gradients([g for g, e in zip(grads, experts) if not e], pgm)
+    if any(experts):
+        average_expert_gradients([g for g, e in zip(grads, experts) if e], pgm)
     if tie_embeddings:  # the embedding's two copies get the shared matrix's gradient
         sum_embedding_grads(model, pgm)

@@ -97,6 +97,8 @@ class MixedPrecisionOptimizer:
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.model_parallel_group)
+        if getattr(self.pgm, "ep", 1) > 1:  # experts.py: the other experts sit in the expert group's replicas
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pgm.ep_group)
         return bool(found.item())
 
     def counted_once(self, param) -> bool:
@@ -107,10 +109,15 @@ class MixedPrecisionOptimizer:
 
     def global_norm(self) -> float:
         """The L2 norm of the whole model's main gradients: local squares, summed over the replica."""
-        squares = torch.zeros((), device=self.params[0].device)
+        squares = experts = torch.zeros((), device=self.params[0].device)
         for p, g in zip(self.params, self.main_grads()):
-            if g is not None and self.counted_once(p):
+            if g is not None and self.counted_once(p) and getattr(p, "expert", False):
+                experts = experts + g.float().pow(2).sum()
+            elif g is not None and self.counted_once(p):
                 squares = squares + g.float().pow(2).sum()
+        if getattr(self.pgm, "ep", 1) > 1:  # experts.py: each rank of an expert group holds 1/ep of the experts
+            dist.all_reduce(experts, group=self.pgm.ep_group)
+        squares = squares + experts
         dist.all_reduce(squares, group=self.pgm.model_parallel_group)
         return squares.sqrt().item()
 

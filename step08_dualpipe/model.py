@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                              copy_to_tp_region, vocab_parallel_cross_entropy)
 from weight_grad_store import linear
+from experts import EPGroup, MoE
 
 
 @dataclass
@@ -42,6 +43,8 @@ class ModelConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # the LM head reuses the embedding matrix
+    experts: int = 0  # step 08, experts.py: a mixture of this many SwiGLU experts per layer (0: one dense SwiGLU)
+    top_k: int = 1  # the experts each token goes to
 
     @property
     def head_dim(self) -> int:
@@ -135,14 +138,16 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
     The norms are replicated on every TP rank: their input is the same full activation everywhere.
+    With cfg.experts (step 08) the MLP is a mixture of SwiGLU experts, this rank's share of them (experts.py).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, ep: EPGroup = EPGroup(), layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, tp)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, tp)
+        self.mlp = MoE(cfg.hidden, cfg.experts, cfg.top_k, ep, lambda: SwiGLU(cfg, TPGroup()), layer) \
+            if cfg.experts else SwiGLU(cfg, tp)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -172,6 +177,7 @@ class Transformer(nn.Module):
     last: holds the final norm and the LM head, so it returns logits (this TP rank's vocabulary slice).
     A middle stage maps hidden states [B, T, hidden] to hidden states.
     tp: the tensor-parallel group this piece is split over (default: one device).
+    ep: with experts, the expert-parallel group whose share of the experts this piece holds (default: all).
 
     With cfg.tie_embeddings the head is the embedding matrix. A last stage that is not also the
     first keeps its own copy of it, drawn from the same generator, so equal to the first stage's;
@@ -179,13 +185,14 @@ class Transformer(nn.Module):
     (finalize_grads.py), as Megatron-LM does.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_ids=None, first=True, last=True, seed=0, tp: TPGroup = None):
+    def __init__(self, cfg: ModelConfig, layer_ids=None, first=True, last=True, seed=0, tp: TPGroup = None,
+                 ep: EPGroup = EPGroup()):
         super().__init__()
         self.cfg, self.first, self.last, self.tp = cfg, first, last, tp or TPGroup()
         self.layer_ids = list(range(cfg.n_layers)) if layer_ids is None else list(layer_ids)
         tied_head = last and cfg.tie_embeddings
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, self.tp) if first or tied_head else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.tp) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.tp, ep, i) for i in self.layer_ids})
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps) if last else None
         self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, self.tp) if last and not tied_head else None
         if tied_head and not first:

@@ -35,13 +35,15 @@ def grid_coordinates(rank: int, dp: int, tp: int):
     return (stage, *divmod(within, tp))
 
 
-def grid_groups(tp: int, pp: int, dp: int, twins: bool = False) -> dict:
+def grid_groups(tp: int, pp: int, dp: int, twins: bool = False, ep: int = 0) -> dict:
     """Every group of the grid, as lists of ranks, in the order all ranks create them.
 
     tp: the ranks of one (stage, replica); dp: of one (stage, tp_rank); pp: of one
     (replica, tp_rank); model_parallel: tp x pp of one replica (all its model, once);
     embedding: first and last stage of each pipeline, which hold the tied embedding.
     twin (step 08, DualPipe only): stages s and pp-1-s of each pipeline, which hold copies of each other's.
+    ep and expert_dp (step 08, with experts only; ep divides dp): ep consecutive replicas of a stage, which
+    split its experts between them (experts.py), and the dp/ep replicas that hold the same experts.
     """
     ranks = lambda s, d, t: grid_rank(s, d, t, dp, tp)  # noqa: E731
     return dict(
@@ -52,6 +54,10 @@ def grid_groups(tp: int, pp: int, dp: int, twins: bool = False) -> dict:
         embedding=[[ranks(0, d, t), ranks(pp - 1, d, t)] for d in range(dp) for t in range(tp)] if pp > 1 else [],
         twin=[[ranks(s, d, t), ranks(pp - 1 - s, d, t)] for s in range(pp // 2) for d in range(dp) for t in range(tp)]
         if twins else [],
+        **(dict(ep=[[ranks(s, g + e, t) for e in range(ep)] for s in range(pp) for g in range(0, dp, ep)
+                    for t in range(tp)],
+                expert_dp=[[ranks(s, d, t) for d in range(e, dp, ep)] for s in range(pp) for e in range(ep)
+                           for t in range(tp)]) if ep else {}),
     )
 
 
@@ -61,15 +67,16 @@ class ProcessGroupManager:
     creating every group in the same order) and its previous and next rank in the pipeline's ring.
     train.build makes one per rank; everything else asks it these questions."""
 
-    def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1, twins: bool = False):
+    def __init__(self, pp: int, dp: int, timeout_s: float, tp: int = 1, twins: bool = False, ep: int = 0):
         rank = dist.get_rank()
-        self.pp, self.dp, self.tp = pp, dp, tp
+        self.pp, self.dp, self.tp, self.ep = pp, dp, tp, max(ep, 1)
         self.stage, self.dp_rank, self.tp_rank = grid_coordinates(rank, dp, tp)
+        self.ep_rank = self.dp_rank % self.ep  # with experts: which share of them this rank holds
         timeout = timedelta(seconds=timeout_s)
         self.embedding_group = None  # pp = 1: the one stage holds the tied embedding once
         self.twin_group = None  # no DualPipe: each stage is held once
         # new_group is collective: every rank creates every group, in the same order.
-        for kind, groups in grid_groups(tp, pp, dp, twins).items():
+        for kind, groups in grid_groups(tp, pp, dp, twins, ep).items():
             for members in groups:
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:

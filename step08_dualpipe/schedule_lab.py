@@ -30,8 +30,6 @@ import io
 import re
 from collections import namedtuple
 
-import torch.distributed as dist
-
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
 from support import outputs
 from support.timeline import gather_events
@@ -253,9 +251,20 @@ class ListRunner:
         self.chunk = {stage: c for c, stage in enumerate(stages_of(plan, comm.stage))}
         self.arriving = {}  # (direction, stage, mb) -> (wait, buffer), or (None, tensor) from this rank
 
+    def rank_at(self, position: int) -> int:
+        """The global rank at pipeline position `position` of this rank's pipeline (the list's row). A pipeline's
+        ranks lie dp x tp apart (process_groups.grid_rank): this rank's two ring neighbours give that stride."""
+        comm, pp = self.comm, self.comm.num_stages
+        if pp == 2:  # the other position is both neighbours
+            return comm.next_rank
+        end = comm.stage in (0, pp - 1)  # its ring neighbours: one next to it, one at the pipeline's far end
+        stride = (comm.prev_rank - comm.next_rank) // (pp - 2) if end else (comm.next_rank - comm.prev_rank) // 2
+        mine = comm.prev_rank + stride if comm.stage == pp - 1 else comm.next_rank - stride
+        return mine + (position - comm.stage) * stride
+
     def receive(self, direction: str, stage: int, mb: int):
         """Post the receive of stage's input: an activation from stage-1, or a gradient from stage+1."""
-        peer = self.where[stage - 1 if direction == "F" else stage + 1]
+        peer = self.rank_at(self.where[stage - 1 if direction == "F" else stage + 1])
         buffer = self.comm.queue_recv(peer, "activation" if direction == "F" else "gradient")
         self.arriving[direction, stage, mb] = (self.comm.commit(wait=False), buffer)
 
@@ -276,7 +285,8 @@ class ListRunner:
         if self.where[to_stage] == self.comm.stage:
             self.arriving[direction, to_stage, mb] = (None, tensor.detach())
         else:
-            self.comm.queue_send(tensor, self.where[to_stage], "activation" if direction == "F" else "gradient")
+            what = "activation" if direction == "F" else "gradient"
+            self.comm.queue_send(tensor, self.rank_at(self.where[to_stage]), what)
             self.comm.commit()
 
     def compute(self, action: Action):

@@ -28,6 +28,7 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   pipedream.py          the side road: --schedule pipedream, 1F1B with no flush (step 04)
   schedule_lab.py       another side road: any schedule as a list of actions (--schedule-file, --dump-schedule)
   torch_schedules.py    PyTorch's ZB-V and Looped BFS as such lists (--schedule zbv, --schedule looped-bfs)
+  experts.py            another side road: a mixture of experts, spread over replicas (--experts, --ep)
 """
 if __name__ == "__main__":  # first: Ctrl-C while torch loads ends with the course's line (support/progress.py)
     from support.progress import stop_on_ctrl_c
@@ -39,6 +40,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+import experts
 from support import checkpoint
 from config import family, model_chunks, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
@@ -66,7 +68,7 @@ def parse_args(argv=None):
 def model_config(args) -> ModelConfig:
     """The whole model's shape, from the flags: every rank builds its part of the same model."""
     return ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, seq_len=args.seq_len,
-                       tie_embeddings=args.tie_embeddings)
+                       tie_embeddings=args.tie_embeddings, experts=args.experts, top_k=args.top_k)
 
 
 @dataclass
@@ -89,12 +91,13 @@ def build_model(args, pgm, tp):
     chunks, n_chunks = model_chunks(args, pgm.stage)
     layers_of_chunk = split_layers(args.layers, n_chunks)
     return VirtualStages(Transformer(model_config(args), layers_of_chunk[g], first=g == 0, last=g == n_chunks - 1,
-                                     seed=args.seed, tp=tp) for g in chunks)
+                                     seed=args.seed, tp=tp, ep=experts.ep_group(args, pgm)) for g in chunks)
 
 
 def build(args, device) -> Run:
     """This rank's place in the grid, its model chunks, optimizer, data, timeline and meters."""
-    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=twin_copies(args))
+    pgm = ProcessGroupManager(args.pp, args.dp, args.timeout, tp=args.tp, twins=twin_copies(args),
+                              ep=args.ep if args.experts else 0)
     timeline = Timeline(dist.get_rank(), device)
     install(timeline)  # the engine records into this process's timeline
     dtype = DTYPES[args.precision]  # the stages compute in it; the norms and the loss upcast to fp32
@@ -142,6 +145,7 @@ def compute_gradients(run, step: int) -> float:
     """Forwards and backwards of one global batch; leaves the replica-averaged gradients in run.model."""
     inputs, targets = get_batch(run.tokens, step, run.args.batch_size, run.args.seq_len, run.args.seed)
     run.optimizer.zero_grad()
+    experts.start_step(run.args, run.optimizer.loss_scale)  # with experts: the aux losses' seed
     run.comm.begin_step()
     microbatches = replica_microbatches(run, inputs, targets)
     loss = family(run.args).schedule_of(run.args)(run.stages, run.comm, microbatches)
@@ -177,7 +181,8 @@ def train_step(run, step: int) -> dict:
     elapsed = time.perf_counter() - start  # rank 0's step ends after the last stage's loss has reached it
     run.timeline.end_step()
     tokens = run.args.batch_size * run.args.seq_len
-    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed, **update)
+    return dict(step=step, loss=loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed, **update,
+                **experts.step_record(run.args, run.device))  # with experts: aux loss, tokens per expert
 
 
 def flushed_steps(run, start=0):

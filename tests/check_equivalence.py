@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moe_reference import reference_experts
+
 REFERENCE_STEPS = 3
 
 
@@ -59,8 +61,9 @@ def pipelined(train, argv, device, out_case: Path, rank: int):
     # (replica, TP rank, TP size): no data parallelism before step 03 (no run.pgm), no TP before step 06.
     pgm = getattr(run, "pgm", None)
     place = (getattr(pgm, "dp_rank", 0), getattr(pgm, "tp_rank", 0), getattr(pgm, "tp", 1))
+    norms = [r.get("grad_norm") for r in records]  # step 07 on: the global gradient norm of each step
     torch.save(dict(losses=losses, grads=grads, names=names, weights=weights, splits=splits, place=place, memory=memory,
-                    masters={n: t.detach().cpu().clone() for n, t in masters.items()}, scales=scales),
+                    masters={n: t.detach().cpu().clone() for n, t in masters.items()}, scales=scales, norms=norms),
                out_case / f"rank{rank}.pt")
     return args
 
@@ -299,6 +302,36 @@ def reference_pipedream(args, out_case: Path):
     torch.save(dict(losses=step_losses, weights=weights), out_case / "reference.pt")
 
 
+def plant(argv):
+    """A negative control named by a case's leading `--control NAME` (not a train.py flag): (the flags without
+    it, a function that takes the planted bug out again). Step 08's experts: expert-grads-over-dp averages the
+    expert gradients over the whole data-parallel group, as a dense layer's are, instead of the experts' own
+    groups; expert-norm-of-one-replica sums the global gradient norm over one replica, as if it held every expert
+    (pgm.ep set to 1 after the build: only the norm and the overflow check read it)."""
+    if argv[:1] != ["--control"]:
+        return argv, lambda: None
+    import finalize_grads
+    import train
+
+    original, build = finalize_grads.average_expert_gradients, train.build
+
+    def one_replica_build(args, device):
+        run = build(args, device)
+        run.pgm.ep = 1
+        return run
+
+    if argv[1] == "expert-grads-over-dp":
+        finalize_grads.average_expert_gradients = finalize_grads.average_gradients
+    else:
+        assert argv[1] == "expert-norm-of-one-replica", argv[1]
+        train.build = one_replica_build
+
+    def undo():
+        finalize_grads.average_expert_gradients, train.build = original, build
+
+    return argv[2:], undo
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -317,12 +350,18 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         out_case = out / f"case{i}"
         out_case.mkdir(exist_ok=True)
         pipedream = "--schedule" in argv and argv[argv.index("--schedule") + 1].startswith("pipedream")
+        argv, undo = plant(argv)
         args = (pipedream_run if pipedream else pipelined)(train, argv, device, out_case, rank)
+        undo()
         if rank == 0:
             status(out, rank, f"[{' '.join(argv)}]: single-device reference")
             half = getattr(args, "precision", "fp32") != "fp32"
-            (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
-            if getattr(args, "schedule", None) == "dualpipev" and not half:  # bitwise against this one
+            if getattr(args, "experts", 0):  # step 08's mixture of experts: the test's own MoE (moe_reference.py)
+                reference_experts(args, out_case)
+            else:
+                (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
+            # DualPipeV, dense: also bitwise against this one
+            if getattr(args, "schedule", None) == "dualpipev" and not half and not getattr(args, "experts", 0):
                 reference_microbatched(args, out_case, "reference_microbatched.pt")
         dist.barrier()
     status(out, rank, "done")

@@ -222,7 +222,8 @@ def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, wei
     Tensor-parallel shards are put back together (by name, along the dimension each was split on)
     and compared as whole parameters, one data-parallel replica at a time. rtol bounds the
     gradients, weight_rtol the weights (and step 07's fp32 masters) after three steps; 0 means
-    bitwise. Step 07's loss scales must be the reference's, step by step. reference: which of the
+    bitwise. Step 07's loss scales must be the reference's, step by step, and step 08's global gradient norms
+    with experts (the reference saves them). reference: which of the
     references check_equivalence.py saved (reference_microbatched.pt: computed microbatch by microbatch). A PipeDream
     run (its ranks saved their weight versions) ends on weights: its losses and weights are compared.
     """
@@ -238,6 +239,10 @@ def compare_case(case_dir: Path, world: int, label: str, rtol: float = RTOL, wei
                    for name in got["names"] if not pipedream and name not in got["grads"]]
     errors += [f"{label}, rank {rank}: loss scales {got['scales']}, reference {ref['scales']}"
                for rank, got in enumerate(results) if "scales" in ref and got["scales"] != ref["scales"]]
+    errors += [f"{label}, rank {rank}: grad norm at step {step} is {norm:.8f}, reference {ref_norm:.8f}"
+               for rank, got in enumerate(results) if "norms" in ref  # step 08's experts (moe_reference.py)
+               for step, (norm, ref_norm) in enumerate(zip(got["norms"], ref["norms"]))
+               if abs(norm - ref_norm) > rtol * ref_norm]
     kinds = ([] if pipedream else [("grads", rtol)]) + [("weights", weight_rtol)]
     kinds += [("masters", weight_rtol)] if "masters" in ref else []
     for what, tol in kinds:

@@ -11,7 +11,8 @@
     --deallocate, against the CPU reference of tests/check_equivalence.py (GPU_TOLERANCES says why each bound).
   * two GPUs (NCCL): pp 2 with each schedule of steps 01-08 (PipeDream's included), --p2p ordered, bf16 and fp16
     messages, tp 2, dp 2, against the same reference, with each rank's peak of stored microbatches against the
-    formula; with four GPUs also tp 2 x pp 2 with --scatter-gather. A checkpoint saved on two GPUs (pp 2) resumes
+    formula; with four GPUs also tp 2 x pp 2 with --scatter-gather. Step 08's experts: one GPU (every expert
+    local), dp 2 x ep 2 (NCCL's all-to-all), and with four GPUs pp 2 x dp 2 x ep 2 under dualpipev. A checkpoint saved on two GPUs (pp 2) resumes
     on one (pp 1). A stalled peer: NCCL's watchdog aborts the waiting rank, or under TORCH_NCCL_BLOCKING_WAIT=1
     the rank ends with the course's one line (faults.py).
   * TF32 is switched off for every launch (tf32_off), whatever the environment says.
@@ -216,7 +217,13 @@ TWO_GPU_CASES = [
     gpu_case(LAST, 2, "--dp", "2", "--pp", "1", "--layers", "4", "--microbatches", "2", "--precision", "fp16"),
     *[gpu_case(step, 4, "--tp", "2", *PP2, "--scatter-gather", *p, marks=FOUR_GPUS)
       for step, p in (("step06_tp", []), (LAST, ["--precision", "bf16"]))],
+    # Step 08's experts (experts.py): NCCL's all_to_all_single with uneven splits, against moe_reference.py.
+    gpu_case(LAST, 2, "--dp", "2", "--pp", "1", "--layers", "4", "--microbatches", "2", "--experts", "4",
+             "--top-k", "2", "--ep", "2"),
+    gpu_case(LAST, 4, *PP2, "--dp", "2", "--experts", "4", "--top-k", "2", "--ep", "2", "--schedule", "dualpipev",
+             marks=FOUR_GPUS),
 ]
+ONE_GPU_CASES.append(gpu_case(LAST, 1, "--pp", "1", "--layers", "4", "--experts", "4", "--top-k", "2"))
 
 
 @pytest.fixture(scope="module")

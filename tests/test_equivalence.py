@@ -121,6 +121,22 @@ CASES += [
     case("step07_mixed_precision", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream-2bw"),
     case("step08_dualpipe", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream"),
 ]
+# Step 08's mixture of experts (experts.py) against moe_reference.py, which runs every expert on every token in one
+# process: pp 2 x dp 2 with ep 2 under each schedule family, top-k 2 and 1, and dp 2 with ep 1 (replicated experts).
+EXPERTS = ["--layers", "4", "--microbatches", "4", "--experts", "4"]
+EP2 = ["--pp", "2", "--dp", "2", "--ep", "2"]
+CASES += [
+    *[case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--schedule", schedule)
+      for schedule in ("1f1b", "zb1p", "dualpipev", "zbv")],
+    case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "1", "--schedule", "dualpipe"),
+    case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "1", "--virtual-stages", "2"),
+    case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--recompute"),  # the first forward builds no graph
+    case("step08_dualpipe", 2, "--dp", "2", *EXPERTS, "--top-k", "2"),
+]
+# The experts' controls (check_equivalence.plant), which must fail: their gradients averaged over the whole dp
+# group; the global gradient norm summed over one replica, which holds half the experts.
+EXPERT_CONTROLS = [pytest.param("step08_dualpipe", 4, ["--control", name, *TINY, *EP2, *EXPERTS, "--top-k", "2"],
+                                id=name) for name in ("expert-grads-over-dp", "expert-norm-of-one-replica")]
 # The control: without weight stashing PipeDream's backwards read changed weights, and the run must
 # leave the reference (and the stashing check) behind.
 NO_STASHING = case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--no-weight-stashing")
@@ -158,7 +174,7 @@ def group_results(step_dirs, tmp_path_factory, replay_at_fault):
 
     def run(step, world):
         if (step, world) not in cache:
-            flags = [p.values[2] for p in [*CASES, NO_STASHING] if p.values[:2] == (step, world)
+            flags = [p.values[2] for p in [*CASES, NO_STASHING, *EXPERT_CONTROLS] if p.values[:2] == (step, world)
                      and not replay_at_fault(step, case_schedule(p.values[2]))]
             out = tmp_path_factory.mktemp(f"{step}-world{world}")
             failures = run_cases(step_dirs[step], world, flags, out, timeout=60 + 20 * len(flags))
@@ -191,11 +207,24 @@ def test_pipedream_without_weight_stashing_fails(group_results, replay_passes):
     assert any("read version" in e for e in versions_errors(case_dir, world, label))
 
 
+@pytest.mark.parametrize("control, found", [("expert-grads-over-dp", "mlp.experts"), ("expert-norm-of-one-replica",
+                                                                                          "grad norm")])
+def test_the_expert_controls_fail(control, found, group_results, replay_passes):
+    """The controls of the expert cases: with ep 2 a dp all-reduce adds expert 0's gradient to expert 2's; a
+    norm summed over one replica leaves out half the experts. Each checker names what it found."""
+    step, world, flags = next(p.values for p in EXPERT_CONTROLS if p.id == control)
+    replay_passes(step, "1f1b")
+    case_dir, failure = group_results(step, world)[tuple(flags)]
+    assert failure is None, failure
+    errors = compare_case(case_dir, world, control, RTOL, WEIGHT_RTOL)
+    assert any(found in e for e in errors), f"{control} still matched: {errors[:3]}"
+
+
 # DualPipeV in fp32 computes each microbatch's gradient and adds them in microbatch order, as the reference
 # written microbatch by microbatch does (check_equivalence.reference_microbatched): bitwise equal, as DeepSeek's own
 # example asserts. With TP the row-parallel partial sums are added in another order, so TP is left out.
 BITWISE_DUALPIPEV = [p for p in CASES if "dualpipev" in p.values[2] and "--precision" not in p.values[2]
-                     and "--tp" not in p.values[2]]
+                     and "--tp" not in p.values[2] and "--experts" not in p.values[2]]
 
 
 @pytest.mark.parametrize("step, world, flags", BITWISE_DUALPIPEV)

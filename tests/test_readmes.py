@@ -12,8 +12,8 @@ A quote is a fenced block right after an HTML comment, which GitHub does not sho
 
 or, for several commands, `<!-- commands and output -->` before a block whose `$ ` lines are the commands,
 each followed by what it prints. Compared is every line except what depends on the machine's speed: times,
-tokens/s, the measured busy and bubble fractions, F:B:W ratios and the chain they make longest (masked on both
-sides, MEASURED below).
+tokens/s, the measured busy, bubble and all-to-all fractions, F:B:W ratios and the chain they make longest
+(masked on both sides, MEASURED below).
 torchrun's own log lines (its OMP_NUM_THREADS banner) are not compared: the test starts the ranks itself. A line
 `...` stands for lines left out; the lines between two `...` must be printed together, in that order.
 
@@ -51,6 +51,7 @@ MEASURED = [  # what depends on the machine's speed, never on the code: masked o
     (re.compile(r"\d+\.\d+ ms\b"), "<t> ms"),
     (re.compile(r"\d+ tokens/s"), "<r> tokens/s"),
     (re.compile(r"busy \d\.\d+ +bubble \d\.\d+"), "busy <b> bubble <b>"),
+    (re.compile(r"all-to-all \d\.\d+$"), "all-to-all <f>"),  # step 08's experts: its share of the window
     (re.compile(r"F:B:W = 1:\d+\.\d+:\d+\.\d+( = \d\.\d+)?"), "F:B:W = <measured>"),
     (re.compile(r"\(\d+\.\d s\)"), "(<t> s)"),
     (re.compile(r"MiB in \d+\.\d+ s$"), "MiB in <t> s"),

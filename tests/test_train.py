@@ -210,6 +210,18 @@ CASES += [
     *bad(ZB_STEPS, 2, ["--schedule", "dualpipev", "--pairs", "sideways"], "--pairs sideways", "overlapped or sequential"),
     *bad(ZB_STEPS, 2, ["--schedule", "1f1b", "--pairs", "sequential"], "--pairs sequential", "--schedule 1f1b"),
 ]
+DP2 = ["--pp", "1", "--dp", "2"]  # step 08's experts (experts.py)
+CASES += [
+    *bad(ZB_STEPS, 2, [*DP2, "--experts", "3", "--ep", "2"], "--ep 2 must divide --experts 3"),
+    *bad(ZB_STEPS, 2, [*DP2, "--experts", "4", "--ep", "4"], "--ep 4 must divide --dp 2"),
+    *bad(ZB_STEPS, 1, ["--experts", "4", "--top-k", "5"], "--top-k 5", "between 1 and --experts 4"),
+    *bad(ZB_STEPS, 1, ["--experts", "4", "--top-k", "0"], "--top-k 0", "between 1 and --experts 4"),
+    *bad(ZB_STEPS, 1, ["--experts", "4", "--capacity-factor", "1.25"], "--capacity-factor 1.25", "dropless"),
+    *bad(ZB_STEPS, 2, ["--experts", "4", "--tp", "2"], "--tp 2 with --experts", "not supported"),
+    *bad(ZB_STEPS, 1, ["--ep", "2"], "--ep 2", "need --experts"),
+    *bad(ZB_STEPS, 2, ["--experts", "4", "--schedule", "pipedream"], "--schedule pipedream with --experts"),
+    *bad(ZB_STEPS, 1, ["--experts", "4", "--aux-loss-coef", "-1"], "--aux-loss-coef -1.0", "positive"),
+]
 CASES += [
     *bad(STEPS, 1, ["--pp", "x"], "argument --pp: invalid int value: 'x'"),
     *bad(STEPS, 1, ["--trace", "/"], "--trace /", "is a directory"),

@@ -6,6 +6,8 @@ cannot fit; it counts, for each stage,
 
 - 16 bytes per parameter of its decoder layers: the fp32 weight, its gradient and AdamW's two
   moments (the embedding and the head, and step 07's fp32 masters beside half weights, are extra);
+  with experts (experts.py) a layer holds E/ep SwiGLU experts and a router instead of one SwiGLU,
+  and a rank's dispatched activations are its expert group's mean (a lower bound of their sum);
 - the activations autograd saves for one microbatch in one decoder layer (layer_activations,
   read off model.py's forward), times the layers of a model chunk, times the (chunk, microbatch)
   pairs the schedule's own formula says the stage holds at its peak; with --recompute a stored
@@ -29,15 +31,19 @@ from model import ModelConfig
 PARAMETER_BYTES = 16  # fp32 weight, gradient, AdamW's exp_avg and exp_avg_sq
 
 
-def layer_activations(tokens: int, hidden: int, mlp_hidden: int, heads: int, tp: int = 1) -> int:
+def layer_activations(tokens: int, hidden: int, mlp_hidden: int, heads: int, tp: int = 1, k: int = 0) -> int:
     """Numbers one decoder layer saves for the backward of a microbatch of `tokens` tokens (model.py).
 
     The two RMSNorms each keep their input, its normalised value and the per-token rms: 4 x hidden + 2 per
     token. Attention keeps q and k before and after rotary, v, the attention output and the copy with the
     heads side by side that wo reads (7 x hidden), and SDPA's log-sum-exp (one per head); the SwiGLU keeps
     gate, silu(gate), up and their product (4 x mlp_hidden). TP splits the heads and the MLP width.
+    With k > 0 (experts.py, top-k) each token is dispatched to k experts: k rows of hidden numbers reach the
+    experts, each kept with its SwiGLU's 4 x mlp_hidden, and k rows come back, kept to be weighted by the router.
+    Under expert parallelism the rows a rank receives depend on the routing: this is their mean over the group.
     """
-    return tokens * (4 * hidden + 2 + (7 * hidden + heads + 4 * mlp_hidden) // tp)
+    mlp = k * (2 * hidden + 4 * mlp_hidden) if k else 4 * mlp_hidden
+    return tokens * (4 * hidden + 2 + (7 * hidden + heads + mlp) // tp)
 
 
 def stage_bytes(args, stored: int, chunks: int, held: int = 1) -> dict:
@@ -48,12 +54,14 @@ def stage_bytes(args, stored: int, chunks: int, held: int = 1) -> dict:
     tp, m = getattr(args, "tp", 1), getattr(args, "microbatches", 1)
     mlp_hidden = ModelConfig(hidden=args.hidden).mlp_hidden
     per_chunk = args.layers // chunks  # an uneven split gives the first chunks one layer more
-    layer_params = (4 * args.hidden * args.hidden + 3 * args.hidden * mlp_hidden) // tp + 2 * args.hidden
+    experts, k = getattr(args, "experts", 0), getattr(args, "top_k", 0)  # experts.py: E/ep experts and a router
+    mlp_params = 3 * args.hidden * mlp_hidden * (experts // getattr(args, "ep", 1) if experts else 1)
+    layer_params = (4 * args.hidden * args.hidden + mlp_params) // tp + 2 * args.hidden + experts * args.hidden
     tokens = args.batch_size // (getattr(args, "dp", 1) * m) * args.seq_len  # of one microbatch
     if getattr(args, "recompute", False):
         saved = tokens * args.hidden  # the stage input alone
     else:
-        saved = per_chunk * layer_activations(tokens, args.hidden, mlp_hidden, args.heads, tp)
+        saved = per_chunk * layer_activations(tokens, args.hidden, mlp_hidden, args.heads, tp, k if experts else 0)
     element = 2 if getattr(args, "precision", "fp32") in ("bf16", "fp16") else 4
     return dict(parameters=PARAMETER_BYTES * layer_params * per_chunk * held, activations=element * stored * saved)
 
@@ -119,7 +127,8 @@ def step_flops(args) -> tuple:
     layers = -(-args.layers // args.pp)  # the first stages hold one layer more
     sequences = args.batch_size // dp
     passes = 4 if getattr(args, "recompute", False) else 3
-    weights = (4 * args.hidden * args.hidden + 3 * args.hidden * mlp_hidden) // tp
+    k = getattr(args, "top_k", 1) if getattr(args, "experts", 0) else 1  # experts.py: each token runs k experts
+    weights = (4 * args.hidden * args.hidden + 3 * args.hidden * mlp_hidden * k) // tp
     products = passes * 2 * weights * sequences * args.seq_len * layers
     attention = passes * 2 * args.seq_len * args.seq_len * args.hidden // tp * sequences * layers
     return products, attention

@@ -27,8 +27,9 @@ from support.timeline import busy_fractions, measured_steps
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green",
           "B": "tab:pink", "W": "tab:olive",  # step 08: a backward split into input and weight gradients
           "send": "tab:purple", "recv": "tab:cyan", "sendrecv": "tab:brown", "allreduce": "tab:red",
-          "tp allreduce": "black", "tp allgather": "tab:gray"}  # TP boxes sit inside forwards and backwards
-COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather")
+          "tp allreduce": "black", "tp allgather": "tab:gray",  # TP boxes sit inside forwards and backwards
+          "all-to-all": "gold"}  # step 08's experts: dispatch, combine and their counts, inside F, B and W
+COMMUNICATION = ("send", "recv", "sendrecv", "allreduce", "tp allreduce", "tp allgather", "all-to-all")
 COMPUTE_HEIGHT, COMM_HEIGHT = 0.7, 0.25  # communication boxes are drawn thin: mostly waiting
 PAIR = "F&B"  # step 08: DualPipe's forward-and-backward pair, drawn as a bracket around its two boxes
 CHUNK_SHADE = 0.6  # how much lighter the last model chunk of a rank is drawn than the first

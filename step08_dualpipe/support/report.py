@@ -24,6 +24,7 @@ from support.budget import probe_rates, step_flops
 from config import family
 from support.distributed import peak_memory_bytes, progress
 from dualpipe import twin_copies
+from experts import report_lines as expert_lines
 from process_groups import describe_rank
 from support.timeline import bubble_report, gather_events, mean_durations, write_chrome_trace
 
@@ -104,7 +105,9 @@ def log_step(record, log, scaler=None):
     if dist.get_rank() != 0:
         return
     scaling = f"  scale 2^{math.log2(record['loss_scale']):g}" if scaler else ""
-    print(f"step {record['step']:3d}  loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:7.1f} ms  "
+    moe = (f"  aux {record['aux_loss']:.4f}  expert tokens {record['expert_tokens_min']}..{record['expert_tokens_max']}"
+           if "aux_loss" in record else "")  # experts.py: the least and the most loaded expert of any layer
+    print(f"step {record['step']:3d}  loss {record['loss']:.4f}{moe}  {record['step_time_s'] * 1e3:7.1f} ms  "
           f"{record['tokens_per_s']:9.0f} tokens/s{scaling}{'  skipped' if record.get('skipped') else ''}",
           flush=True)
     if log:
@@ -148,7 +151,8 @@ def report(run, last_record):
     # The split schedules' formulas (zb1p, DualPipe) take the mean F, B and W measured in this run.
     times = mean_durations(events, ("forward", "B", "W")) if any(e["kind"] == "W" for e in events) else None
     text, value = family(run.args).bubble_formula(run.args, times)
-    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args))))
+    print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args)) +
+                    expert_lines(run.args)))
     if run.args.trace:
         replaced = os.path.isfile(run.args.trace)  # config refused a file this course did not write
         write_chrome_trace(events, run.args.trace, rank_name(run.args))

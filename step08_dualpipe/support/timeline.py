@@ -3,7 +3,8 @@
 Each rank appends one event per forward, backward, recompute, send and receive
 (a receive's length is mostly time spent waiting for the peer), and from step 06
 on per tensor-parallel collective (nested in the forward or backward that made
-it): its kind, rank, step, microbatch (None for messages, which carry no label),
+it; in step 08 also per all-to-all of the experts, whose share the bubble report
+prints): its kind, rank, step, microbatch (None for messages, which carry no label),
 model chunk, what travelled and the bytes this rank sent, where they apply, and
 its start and end in seconds of wall-clock time, a clock that all processes of
 a machine share (and that NTP keeps close across machines), so events of
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from support import outputs
 
 COMPUTE = ("forward", "backward", "recompute", "B", "W")  # B and W: a backward split in two (step 08)
+ALL_TO_ALL = "all-to-all"  # step 08's experts: dispatch, combine and their counts, nested in F, B or W
 WRITER = "pipeline parallelism from scratch, timeline.py"  # a trace's first key says the course wrote it
 TRACE_MARK = json.dumps({"otherData": {"written_by": WRITER}})[:-2].encode()  # how such a trace begins (config.py)
 
@@ -125,12 +127,13 @@ def step_start(events, step: int) -> float:
     return min(e["start"] for e in events if e["step"] == step)
 
 
-def busy_fractions(events, world_size: int, steps):
-    """Mean over `steps` of each rank's compute time / pipeline window."""
+def busy_fractions(events, world_size: int, steps, kinds=COMPUTE):
+    """Mean over `steps` of each rank's time in `kinds` (compute) / pipeline window."""
     fractions = [0.0] * world_size
     for step in steps:
-        step_events = [e for e in events if e["step"] == step and e["kind"] in COMPUTE]
-        window = max(e["end"] for e in step_events) - step_start(events, step)
+        window = max(e["end"] for e in events if e["step"] == step and e["kind"] in COMPUTE) - \
+            step_start(events, step)
+        step_events = [e for e in events if e["step"] == step and e["kind"] in kinds]
         for r in range(world_size):
             busy = sum(e["end"] - e["start"] for e in step_events if e["rank"] == r)
             fractions[r] += busy / window / len(steps)
@@ -155,8 +158,11 @@ def bubble_report(events, world_size: int, formula_text: str, formula_value: flo
     busy = busy_fractions(events, world_size, steps)
     lines = [f"bubble, measured over steps {steps[0]}..{steps[-1]} "
              f"vs formula {formula_text} = {formula_value:.3f}"]
+    a2a = busy_fractions(events, world_size, steps, (ALL_TO_ALL,)) if any(e["kind"] == ALL_TO_ALL for e in events) \
+        else None  # inside the busy time: a layer's compute waits for its all-to-all
     for r, b in enumerate(busy):
-        lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}")
+        lines.append(f"  rank {r} ({describe_rank(r)}): busy {b:.3f}  bubble {1 - b:.3f}" +
+                     (f"  of which all-to-all {a2a[r]:.3f}" if a2a else ""))
     return lines
 
 
