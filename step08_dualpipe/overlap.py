@@ -156,6 +156,10 @@ class LayerPass:
     def __init__(self, layer, stage, mb):
         self.layer, self.moe, self.stage, self.mb = layer, layer.mlp, stage, mb
 
+    def named(self, what: str) -> str:
+        """An all-to-all's name on the timeline: what it carries and its layer (the order check reads them)."""
+        return f"{what} of layer {self.moe.layer}"
+
     def compute(self, kind: str, node: str):
         """A compute node's box on the timeline (kind: forward or backward), and, forward, the activation meter."""
         if kind == "backward" and WeightGradStore.deferring:  # a split B (zero bubble): its W comes later
@@ -180,7 +184,7 @@ class LayerPass:
 
     def dispatch(self):
         self.sent = InFlight(self.pre.outputs[1], self.plan.send, self.plan.recv, self.moe.ep, "forward",
-                             "dispatch", self.mb)
+                             self.named("dispatch"), self.mb)
 
     def experts(self):
         received = self.sent.wait()  # [R, h] by source rank, then expert
@@ -190,7 +194,7 @@ class LayerPass:
 
     def combine(self):
         self.sent = InFlight(self.mlp.outputs[0], self.plan.recv, self.plan.send, self.moe.ep, "forward",
-                             "combine", self.mb)
+                             self.named("combine"), self.mb)
 
     def finish(self, head=None):
         """Wait for the combine; un-permute, weight, add the residual (then head(y) on the last layer)."""
@@ -209,8 +213,8 @@ class LayerPass:
     def combine_backward(self, grad):
         with self.compute("backward", "combine"):
             self.g_rows, self.g_weights, self.g_h = self.post.backward(grad)
-        self.sent = InFlight(self.g_rows, self.plan.send, self.plan.recv, self.moe.ep, "backward", "combine",
-                             self.mb)
+        self.sent = InFlight(self.g_rows, self.plan.send, self.plan.recv, self.moe.ep, "backward",
+                             self.named("combine"), self.mb)
 
     def experts_backward(self):
         grad = self.sent.wait()
@@ -226,7 +230,7 @@ class LayerPass:
 
     def dispatch_backward(self):
         self.sent = InFlight(self.g_received, self.plan.recv, self.plan.send, self.moe.ep, "backward",
-                             "dispatch", self.mb)
+                             self.named("dispatch"), self.mb)
 
     def attention_backward(self):
         """-> the gradient of the layer's input (None: the stage's input, whose .grad has it)."""
