@@ -29,7 +29,7 @@ at once. The pair (interleave) resumes the two passes in Megatron-LM's order for
     comm:               B.combine ====|   F.dispatch ===========  B.dispatch=|= F.combine ===========
 
     B combine        the backward's combine goes first: its all-to-all then travels under F's attention,
-    F attention      the longest compute of a layer, which needs nothing from the backward;
+    F attention      a compute that needs nothing from the backward;
     B experts        waits for B's combine (just posted, hidden behind F's attention);
     F dispatch       posted as soon as F's router has sorted the rows;
     B experts W      the experts' weight gradients: compute that covers F's dispatch;
@@ -42,7 +42,7 @@ ONE thread posts every all-to-all, in this fixed order, on every rank of an expe
 match collectives by the order each rank posts them (gloo tags a collective when it is posted), so two
 ranks that posted the same two all-to-alls in different orders would pair one's dispatch with the other's
 combine, or hang. Every rank of an expert group runs the same stage and the same schedule, so it posts the
-same sequence; tests/check_overlap.py compares the sequences across the group. On gloo an async all-to-all
+same sequence; tests/overlap_order.py compares the sequences across the group. On gloo an async all-to-all
 runs on gloo's worker threads, so the compute really runs meanwhile, even on a CPU.
 
 What a GPU adds, which a CPU cannot show: NCCL's all-to-all runs on its own CUDA stream, beside the compute
