@@ -57,6 +57,7 @@ from collections import deque
 from functools import partial
 
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
+from stage import drive
 from weight_grad_store import WeightGradStore
 
 PHASES = ("nF0", "nF0F1", "nB1W1F1", "nF0B1F1B0", "nB1F1B0", "nB1B0", "nWB0", "nW")
@@ -146,22 +147,29 @@ class TwoWayRank:
             self.stash.deallocate(mb, chunk)
         self.sent.clear()
 
-    # Compute. Each runs the chunk's next microbatch.
+    # Compute. Each runs the chunk's next microbatch, as a generator that a pair can interleave (overlap.py).
     def _forward(self, chunk: int):
+        drive(self._forward_steps(chunk))
+
+    def _backward(self, chunk: int, split: bool):
+        drive(self._backward_steps(chunk, split))
+
+    def _forward_steps(self, chunk: int):
         mb = self.first_mb[chunk] + self.passes["F"][chunk]
         self.passes["F"][chunk] += 1
-        out = self.stash.forward(mb, None if self.stages[chunk].is_first else self.inputs[chunk].popleft(), chunk)
+        x = None if self.stages[chunk].is_first else self.inputs[chunk].popleft()
+        out = yield from self.stash.forward_steps(mb, x, chunk)
         if self.v_turn and chunk == 0:  # the V turns here: chunk 1's input is this output's values
             self.inputs[1].append(out.detach())
             self.stash.deallocate(mb, 0)  # so the output keeps only its graph, as if it had been sent
         elif self.sends_activation(chunk):
             self.outputs[chunk].append((mb, out))
 
-    def _backward(self, chunk: int, split: bool):
+    def _backward_steps(self, chunk: int, split: bool):
         mb = self.first_mb[chunk] + self.passes["B"][chunk]
         self.passes["B"][chunk] += 1
         out_grad = None if self.stages[chunk].is_last else self.output_grads[chunk].popleft()
-        input_grad = self.stash.backward(mb, out_grad, chunk, split)
+        input_grad = yield from self.stash.backward_steps(mb, out_grad, chunk, split)
         if self.v_turn and chunk == 1:  # the V turns back: chunk 0's output gradient, with no message
             self.output_grads[0].append(input_grad)
         elif self.receives_activation(chunk):
@@ -187,10 +195,10 @@ class TwoWayRank:
 
     def forward_backward(self, phase0: int, phase1: int, recv0=True):
         """F of phase0 and B of phase1, two different microbatches going opposite ways: one pair, whose
-        transfers go in the same batches. They run one after the other, on one stream, on any device; the
-        stage's hook is where an overlap would go: cut both into pieces (attention, MLP, their collectives)
-        and interleave them, so that one's communication hides behind the other's compute. DeepSeek-V3
-        hides its expert all-to-all this way; its modules define their own overlapped_forward_backward."""
+        transfers go in the same batches. The stage's hook runs the two passes (generators): dense, one after
+        the other, on one stream, on any device; with experts, cut into nodes (attention, dispatch, experts,
+        combine) and interleaved, so that one's all-to-all hides behind the other's compute (overlap.py), as
+        DeepSeek-V3 does in its modules' own overlapped_forward_backward."""
         if self.sequential_pairs:  # --pairs sequential: F's output leaves before B, B's gradient is waited for after F
             self.forward(phase0, recv=recv0)
             self.backward(phase1)
@@ -200,8 +208,8 @@ class TwoWayRank:
         self.recv_backward(phase1)
         self.commit()
         chunk0, chunk1 = self.chunk(phase0), self.chunk(phase1)
-        self.stages[chunk0].overlapped_forward_backward(partial(self._forward, chunk0),
-                                                        partial(self._backward, chunk1, False))
+        self.stages[chunk0].overlapped_forward_backward(partial(self._forward_steps, chunk0),
+                                                        partial(self._backward_steps, chunk1, False))
         self.send_forward(phase0)
         self.send_backward(phase1)
 

@@ -68,13 +68,19 @@ class Stats:
         cls.sent, cls.calls = {"forward": 0, "backward": 0}, {"forward": 0, "backward": 0}
 
 
+def account(x, send: list, ep: EPGroup, direction: str) -> int:
+    """Count an all-to-all of send[r] rows of x to each rank r in Stats; the bytes it sends to other ranks."""
+    sent = (sum(send) - send[ep.rank]) * math.prod(x.shape[1:]) * x.element_size()
+    Stats.sent[direction] += sent
+    Stats.calls[direction] += 1
+    return sent
+
+
 def exchange(x, send: list, recv: list, ep: EPGroup, direction: str):
     """all_to_all_single: send[r] rows of x (in rank order) to rank r, recv[r] rows from rank r, in rank order."""
     if ep.size == 1:
         return x
-    sent = (sum(send) - send[ep.rank]) * math.prod(x.shape[1:]) * x.element_size()
-    Stats.sent[direction] += sent
-    Stats.calls[direction] += 1
+    sent = account(x, send, ep, direction)
     with timeline.span(ALL_TO_ALL, what=f"{direction} rows", bytes=sent):
         out = x.new_empty((sum(recv), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=ep.group)
@@ -231,21 +237,31 @@ class MoE(nn.Module):
 
     def collect(self, out, plan):
         """Dispatch's inverse: the rows back to the ranks they came from, in the order they left. [R, h] -> [T*k, h]"""
-        back = torch.empty_like(out)
-        back[plan.regroup] = out  # undo the grouping by local expert
-        return AllToAll.apply(back, plan.recv, plan.send, self.ep)  # the splits swapped
+        return AllToAll.apply(ungroup(out, plan), plan.recv, plan.send, self.ep)  # the splits swapped
 
     def combine(self, out, plan):
         """Node 4: the rows back to their tokens' ranks (collect), each times its router weight, summed over
         the token's k experts. [R, h] -> [b, t, h]."""
-        rows = self.collect(out, plan)  # [T*k, h], sorted by expert
-        weighted = rows * plan.weights.flatten()[plan.order].unsqueeze(-1).to(rows.dtype)
-        y = torch.zeros(plan.shape, dtype=rows.dtype, device=rows.device).view(-1, rows.size(-1))
-        return y.index_add(0, plan.token, weighted).view(plan.shape)
+        return unpermute(self.collect(out, plan), plan.weights, plan)
 
     def forward(self, x):  # [b, t, h] -> [b, t, h]
         rows, plan = self.route_and_permute(x)
         return self.combine(self.run_experts(self.dispatch(rows, plan), plan), plan)
+
+
+def ungroup(out, plan):
+    """Undo the grouping by local expert: the rows in the order they arrived. [R, h] -> [R, h]"""
+    back = torch.empty_like(out)
+    back[plan.regroup] = out
+    return back
+
+
+def unpermute(rows, weights, plan):
+    """The returned rows [T*k, h] (sorted by expert) back to their tokens, each times its router weight
+    (weights [T, k]), summed over the token's k experts. -> [b, t, h]"""
+    weighted = rows * weights.flatten()[plan.order].unsqueeze(-1).to(rows.dtype)
+    y = torch.zeros(plan.shape, dtype=rows.dtype, device=rows.device).view(-1, rows.size(-1))
+    return y.index_add(0, plan.token, weighted).view(plan.shape)
 
 
 def add_flags(parser):
@@ -259,6 +275,9 @@ def add_flags(parser):
                        help="weight of the load-balancing loss in the gradient (Switch Transformer's 1e-2)")
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="not supported: routing is dropless (refused)")
+    group.add_argument("--link-latency-ms", type=float, default=0.0,
+                       help="simulate a slow network: each dispatch and combine completes this long after it is "
+                       "posted (overlap.py; dualpipe and dualpipev on a CPU, --ep 2 or more)")
 
 
 def check_flags(args):
@@ -268,6 +287,7 @@ def check_flags(args):
     if args.capacity_factor is not None:
         raise ValueError(f"--capacity-factor {args.capacity_factor}: token dropping is not supported, routing "
                          "is dropless (every token reaches its --top-k experts)")
+    check_link(args)
     if not args.experts:
         if args.ep != 1 or args.top_k != 1:
             raise ValueError(f"--ep {args.ep} and --top-k {args.top_k} need --experts (the model is dense)")
@@ -289,6 +309,21 @@ def check_flags(args):
     if args.save or args.resume:
         raise ValueError("--save and --resume with --experts are not supported: a checkpoint does not record "
                          "--experts, so a resumed run could not tell a dense model from a mixture")
+
+
+def check_link(args):
+    """The overlapped pair's rules (overlap.py): a simulated link where its all-to-alls are posted, and no
+    recompute inside a pair of nodes (torchtitan refused the same)."""
+    latency = args.link_latency_ms
+    if not 0 <= latency <= 1000:
+        raise ValueError(f"--link-latency-ms {latency} must be between 0 and 1000 (a simulated network's delay)")
+    if latency and not (args.experts and args.ep > 1 and args.schedule in ("dualpipe", "dualpipev")
+                        and args.device == "cpu"):
+        raise ValueError(f"--link-latency-ms {latency} needs --experts with --ep 2 or more, --schedule dualpipe or "
+                         "dualpipev and --device cpu: it delays the overlapped pair's all-to-alls on the host")
+    if args.experts and args.recompute and args.pairs == "overlapped" and args.schedule in ("dualpipe", "dualpipev"):
+        raise ValueError("--pairs overlapped with --recompute and --experts is not supported: a pair interleaves "
+                         "nodes whose graphs the recompute would rebuild; use --pairs sequential")
 
 
 def ep_group(args, pgm) -> EPGroup:

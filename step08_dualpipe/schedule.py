@@ -28,7 +28,7 @@ from collections import deque
 
 import torch
 
-from stage import PipelineStage
+from stage import PipelineStage, drive
 from weight_grad_store import WeightGradStore
 
 
@@ -94,11 +94,15 @@ class Stash:
 
     def forward(self, mb, x, chunk=0):
         """x is the received activation; the model's first stage reads tokens instead (x is None)."""
+        return drive(self.forward_steps(mb, x, chunk))
+
+    def forward_steps(self, mb, x, chunk=0):
+        """forward as a generator that pauses between the stage's nodes (step 08: stage.forward_steps)."""
         stage = self.stages[chunk]
         tokens, target = self.microbatches[mb]
         x = tokens if stage.is_first else x
-        with WeightGradStore.splittable(self.split):
-            out = stage.forward(mb, x, target)
+        with WeightGradStore.splittable(self.split):  # only forwards read it: a paired backward may run meanwhile
+            out = yield from stage.forward_steps(mb, x, target)
         if stage.is_last:
             self.losses.append(out.detach())
         # With recompute the backward rebuilds the output: holding it would pin one activation per microbatch.
@@ -108,6 +112,10 @@ class Stash:
     def backward(self, mb, out_grad, chunk=0, split=False):
         """out_grad is the received gradient; the model's last stage starts from its loss (out_grad is None).
         split: B only; backward_weights runs the W later."""
+        return drive(self.backward_steps(mb, out_grad, chunk, split))
+
+    def backward_steps(self, mb, out_grad, chunk=0, split=False):
+        """backward as a generator that pauses between the stage's nodes (step 08: stage.backward_steps)."""
         stage = self.stages[chunk]
         x, out = self.kept.pop((chunk, mb))
         received = (None if stage.is_first else x, out_grad)  # the communicator's buffers, free after the backward
@@ -116,7 +124,7 @@ class Stash:
                 x, out = stage.recompute_forward(mb, x, self.microbatches[mb][1])
         if stage.is_last:  # d(S x batch mean loss) / d(microbatch mean loss), S the loss scale
             out_grad = torch.full_like(out, stage.grad_scale_func(1.0) / len(self.microbatches))
-        input_grad = stage.backward(mb, x, out, out_grad, split)
+        input_grad = yield from stage.backward_steps(mb, x, out, out_grad, split)
         if split:  # the stage's last Linear reads the received gradient as its dy in W: keep it until then
             self.gradients[chunk, mb], received = received[1], received[:1]
         self.comm.recycle(*received)

@@ -32,8 +32,18 @@ from torch.func import functional_call
 
 from support.memory import ActivationMeter
 from model import lm_loss
+from overlap import interleave
 from support import timeline
 from weight_grad_store import WeightGradStore
+
+
+def drive(steps):
+    """Run a pass written as a generator (forward_steps, backward_steps) to its end; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def deallocate_output(out):
@@ -59,6 +69,7 @@ class PipelineStage:
         self.is_first, self.is_last = model.first, model.last
         self.grad_scale_func = grad_scale_func or (lambda loss: loss)  # fp16: the optimizer's scale_loss
         self.meter = meter or ActivationMeter(enabled=False)
+        self.nodes = None  # step 08, experts on: the layers as nodes (overlap.LayerNodes, set by overlap.install)
 
     def weights(self, mb):
         """The weights mb's forward and recompute run on, {name: tensor}; None: the model's own (PipeDream's vary)."""
@@ -89,6 +100,17 @@ class PipelineStage:
             self.meter.keep(key, out)  # the schedule holds the output until the backward
             return out
 
+    def forward_steps(self, mb, x, target):
+        """forward, as a generator (step 08). With the layers as nodes it pauses after each node, yielding the
+        node's name, so that DualPipe's pair can interleave two passes (overlap.py); else it runs whole."""
+        if self.nodes is None:
+            return self.forward(mb, x, target)
+        if not self.is_first:
+            x.requires_grad_()  # we need d(loss)/d(input) to send back
+        out = yield from self.nodes.forward(mb, x, target)  # each node counts what it saves in the meter
+        self.meter.keep((self.chunk, mb), out)
+        return out
+
     def recompute_forward(self, mb, x, target):
         """Run the forward again, this time keeping the graph; returns (input, output)."""
         weights = self.weights(mb)  # those the forward ran on
@@ -110,6 +132,20 @@ class PipelineStage:
         with timeline.span("B" if split else "backward", mb, chunk=self.chunk), WeightGradStore.split(key, split):
             custom_backward(out, out_grad)
             self.backward_done(mb)  # inside the span: PipeDream's update is timed as part of the backward
+        return self.backward_ended(mb, x, split)
+
+    def backward_steps(self, mb, x, out, out_grad, split=False):
+        """backward, as a generator (step 08): with the layers as nodes it pauses after each node (overlap.py),
+        from out's node (its gradient out_grad) to x's; else it runs whole. Its W's are filed as backward's."""
+        if self.nodes is None:
+            return self.backward(mb, x, out, out_grad, split)
+        with WeightGradStore.split((self.chunk, mb), split):  # a pair's B is never split: nothing queued across
+            yield from self.nodes.backward(mb, out_grad)
+        return self.backward_ended(mb, x, split)
+
+    def backward_ended(self, mb, x, split):
+        """After mb's backward: what the meter still counts; d(loss)/d(input) (None on stage 0)."""
+        key = (self.chunk, mb)
         self.meter.release(key)
         if split and self.meter.enabled:  # autograd has freed what the forward saved; W holds what it needs
             for t in WeightGradStore.held():
@@ -123,11 +159,16 @@ class PipelineStage:
         self.meter.release((self.chunk, mb))
 
     def overlapped_forward_backward(self, forward, backward):
-        """DualPipe's pair, a forward of this stage and a backward of another microbatch, run one after the
-        other on one stream, on any device, and drawn as one bracketed box (F&B): DeepSeek's overlap goes here."""
+        """DualPipe's pair, a forward of this stage and a backward of another microbatch, drawn as one
+        bracketed box (F&B). forward() and backward() give the two passes as generators (forward_steps,
+        backward_steps). Dense, they run one after the other on one stream, on any device; with the layers
+        as nodes (experts), interleaved so that one's all-to-alls travel under the other's compute."""
         with timeline.span("F&B", chunk=self.chunk):
-            forward()
-            backward()
+            if self.nodes is None:
+                drive(forward())
+                drive(backward())
+            else:
+                interleave(forward(), backward())
 
 
 class VirtualStages(torch.nn.ModuleList):

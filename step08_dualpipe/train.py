@@ -29,6 +29,7 @@ Read in this order (support/ holds what keeps a run measured and safe: a first r
   schedule_lab.py       another side road: any schedule as a list of actions (--schedule-file, --dump-schedule)
   torch_schedules.py    PyTorch's ZB-V and Looped BFS as such lists (--schedule zbv, --schedule looped-bfs)
   experts.py            another side road: a mixture of experts, spread over replicas (--experts, --ep)
+  overlap.py            its pair overlapped: layers as nodes, all-to-alls behind compute (--link-latency-ms)
 """
 if __name__ == "__main__":  # first: Ctrl-C while torch loads ends with the course's line (support/progress.py)
     from support.progress import stop_on_ctrl_c
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import experts
+import overlap
 from support import checkpoint
 from config import family, model_chunks, parse_flags
 from data import check_same_corpus, get_batch, load_tokens
@@ -113,6 +115,7 @@ def build(args, device) -> Run:
     stage = family(args).stage_class(args, model, before_update)  # PipeDream's keeps weight versions
     stages = [stage(chunk, chunk=c, recompute=args.recompute, deallocate=args.deallocate,
                     meter=meter, grad_scale_func=optimizer.scale_loss) for c, chunk in enumerate(model)]
+    overlap.install(args, stages)  # with experts under DualPipe: the layers as nodes, and the simulated link
     shape = (args.batch_size // (args.dp * args.microbatches), args.seq_len, args.hidden)  # one microbatch
     comm = PipelineComm(pgm, shape, dtype, device, args.p2p, args.scatter_gather)  # pipeline_dtype
     return Run(args, device, pgm, model, optimizer, stages, comm, load_tokens(args.data), timeline, meter)

@@ -202,6 +202,14 @@ class FakeStage:
         self._given(out_grad, expected, f"backward of chunk {self.g} microbatch {mb}")
         return tag(GRADIENT, self.g, mb)
 
+    def forward_steps(self, mb, x, target):  # step 08: a pass as a generator, here of no node
+        return self.forward(mb, x, target)
+        yield
+
+    def backward_steps(self, mb, x, out, out_grad, split=False):
+        return self.backward(mb, x, out, out_grad, split)
+        yield
+
     def backward_weights(self, mb):
         self.log.append(("W", (self.chunk, mb)))
         self.store.pop((self.chunk, mb))
@@ -211,10 +219,11 @@ class FakeStage:
         self.log.append(("D", (self.chunk, mb)))
 
     def overlapped_forward_backward(self, forward, backward):
-        """DualPipe's pair (step 08): logged as a marker before its F and its B."""
+        """DualPipe's pair (step 08): logged as a marker before its F and its B (each a generator)."""
         self.log.append(("F&B",))
-        forward()
-        backward()
+        for steps in (forward(), backward()):
+            for _ in steps:
+                pass
 
 
 def check_consumed(log):

@@ -133,6 +133,10 @@ CASES += [
     case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--recompute"),  # the first forward builds no graph
     case("step08_dualpipe", 2, "--dp", "2", *EXPERTS, "--top-k", "2"),
 ]
+# The overlapped pair (overlap.py: each pair's nodes interleaved) beside the sequential one (the same nodes, F then B).
+OVERLAPPED = {s: [case("step08_dualpipe", 4, *EP2, *EXPERTS, "--top-k", "2", "--schedule", s, *pairs)
+                  for pairs in ([], ["--pairs", "sequential"])] for s in ("dualpipe", "dualpipev")}
+CASES += [p for pair in OVERLAPPED.values() for p in pair if p not in CASES]
 # The experts' controls (check_equivalence.plant), which must fail: their gradients averaged over the whole dp
 # group; the global gradient norm summed over one replica, which holds half the experts.
 EXPERT_CONTROLS = [pytest.param("step08_dualpipe", 4, ["--control", name, *TINY, *EP2, *EXPERTS, "--top-k", "2"],
@@ -252,3 +256,37 @@ def test_memory_check_catches_a_wrong_peak(tmp_path):
     for peak, wrong in ((3, False), (4, True)):
         torch.save(dict(memory=dict(peak=peak, schedule="1f1b", pp=4, m=8, v=1, stage=1)), tmp_path / "rank0.pt")
         assert bool(memory_errors(tmp_path, 1, "control")) == wrong
+
+
+def bitwise_differences(dir_a, dir_b, world: int) -> list:
+    """Every loss, gradient and weight (after three steps) in which two runs' saved results differ at all."""
+    errors = []
+    for rank in range(world):
+        a, b = (torch.load(d / f"rank{rank}.pt") for d in (dir_a, dir_b))
+        errors += [f"rank {rank}: loss at step {i} {x} vs {y}" for i, (x, y) in enumerate(zip(a["losses"], b["losses"]))
+                   if not torch.equal(torch.as_tensor(x), torch.as_tensor(y))]
+        for what in ("grads", "weights"):
+            errors += [f"rank {rank}: {what[:-1]} of {name} differs" for name, t in a[what].items()
+                       if name not in b[what] or not torch.equal(t, b[what][name])]
+    return errors
+
+
+@pytest.mark.parametrize("schedule", OVERLAPPED)
+def test_overlapped_pairs_are_bitwise_the_sequential_pairs(schedule, group_results, replay_passes):
+    """Interleaving a pair's nodes reorders no sum: the overlapped run equals the sequential one bit for bit
+    (Megatron-LM's a2a-overlap tests compare with bit_same too); both also pass test_matches_single_device."""
+    replay_passes("step08_dualpipe", schedule)
+    overlapped, sequential = (p.values[2] for p in OVERLAPPED[schedule])
+    runs = group_results("step08_dualpipe", 4)
+    (dir_a, fail_a), (dir_b, fail_b) = runs[tuple(overlapped)], runs[tuple(sequential)]
+    assert fail_a is None and fail_b is None, fail_a or fail_b
+    errors = bitwise_differences(dir_a, dir_b, 4)
+    assert not errors, "\n".join(errors[:25])
+
+
+def test_bitwise_comparison_catches_another_run(group_results):
+    """The control: the same comparison between dualpipe with top-k 2 and with top-k 1 must find differences."""
+    runs = group_results("step08_dualpipe", 4)
+    top1 = [*TINY, *EP2, *EXPERTS, "--top-k", "1", "--schedule", "dualpipe"]
+    errors = bitwise_differences(runs[tuple(OVERLAPPED["dualpipe"][0].values[2])][0], runs[tuple(top1)][0], 4)
+    assert any("grad of" in e for e in errors) and any("loss" in e for e in errors), errors[:5]

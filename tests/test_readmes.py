@@ -52,6 +52,7 @@ MEASURED = [  # what depends on the machine's speed, never on the code: masked o
     (re.compile(r"\d+ tokens/s"), "<r> tokens/s"),
     (re.compile(r"busy \d\.\d+ +bubble \d\.\d+"), "busy <b> bubble <b>"),
     (re.compile(r"all-to-all \d\.\d+$"), "all-to-all <f>"),  # step 08's experts: its share of the window
+    (re.compile(r"hidden -?\d+%"), "hidden <p>%"),  # step 08's overlapped pair: the link time its compute hid
     (re.compile(r"F:B:W = 1:\d+\.\d+:\d+\.\d+( = \d\.\d+)?"), "F:B:W = <measured>"),
     (re.compile(r"\(\d+\.\d s\)"), "(<t> s)"),
     (re.compile(r"MiB in \d+\.\d+ s$"), "MiB in <t> s"),

@@ -211,6 +211,7 @@ CASES += [
     *bad(ZB_STEPS, 2, ["--schedule", "1f1b", "--pairs", "sequential"], "--pairs sequential", "--schedule 1f1b"),
 ]
 DP2 = ["--pp", "1", "--dp", "2"]  # step 08's experts (experts.py)
+EP_V = ["--pp", "2", "--dp", "2", "--experts", "4", "--ep", "2", "--schedule", "dualpipev", "--microbatches", "4"]
 CASES += [
     *bad(ZB_STEPS, 2, [*DP2, "--experts", "3", "--ep", "2"], "--ep 2 must divide --experts 3"),
     *bad(ZB_STEPS, 2, [*DP2, "--experts", "4", "--ep", "4"], "--ep 4 must divide --dp 2"),
@@ -221,6 +222,12 @@ CASES += [
     *bad(ZB_STEPS, 1, ["--ep", "2"], "--ep 2", "need --experts"),
     *bad(ZB_STEPS, 2, ["--experts", "4", "--schedule", "pipedream"], "--schedule pipedream with --experts"),
     *bad(ZB_STEPS, 1, ["--experts", "4", "--aux-loss-coef", "-1"], "--aux-loss-coef -1.0", "positive"),
+    # overlap.py's pair: a simulated link's latency, and no recompute inside an overlapped pair
+    *bad(ZB_STEPS, 4, [*EP_V, "--link-latency-ms", "-1"], "--link-latency-ms -1.0", "between 0 and 1000"),
+    *bad(ZB_STEPS, 4, [*EP_V, "--link-latency-ms", "1e9"], "--link-latency-ms 1000000000.0", "between 0 and 1000"),
+    *bad(ZB_STEPS, 2, [*DP2, "--experts", "4", "--ep", "2", "--link-latency-ms", "5"], "--link-latency-ms 5.0",
+         "--schedule dualpipe"),
+    *bad(ZB_STEPS, 4, [*EP_V, "--recompute"], "--pairs overlapped with --recompute", "--pairs sequential"),
 ]
 CASES += [
     *bad(STEPS, 1, ["--pp", "x"], "argument --pp: invalid int value: 'x'"),

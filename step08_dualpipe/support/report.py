@@ -25,6 +25,7 @@ from config import family
 from support.distributed import peak_memory_bytes, progress
 from dualpipe import twin_copies
 from experts import report_lines as expert_lines
+from overlap import report_lines as overlap_lines
 from process_groups import describe_rank
 from support.timeline import bubble_report, gather_events, mean_durations, write_chrome_trace
 
@@ -152,7 +153,7 @@ def report(run, last_record):
     times = mean_durations(events, ("forward", "B", "W")) if any(e["kind"] == "W" for e in events) else None
     text, value = family(run.args).bubble_formula(run.args, times)
     print("\n".join(bubble_report(events, dist.get_world_size(), text, value, rank_name(run.args)) +
-                    expert_lines(run.args)))
+                    expert_lines(run.args) + overlap_lines(run.args, events)))
     if run.args.trace:
         replaced = os.path.isfile(run.args.trace)  # config refused a file this course did not write
         write_chrome_trace(events, run.args.trace, rank_name(run.args))

@@ -141,9 +141,13 @@ def busy_fractions(events, world_size: int, steps, kinds=COMPUTE):
 
 
 def mean_durations(events, kinds):
-    """The mean duration of each kind of event (step 08's bubble formula takes F, B and W from the run)."""
-    return [sum(e["end"] - e["start"] for e in events if e["kind"] == kind) /
-            max(1, sum(e["kind"] == kind for e in events)) for kind in kinds]
+    """The mean duration of one pass of each kind (step 08's bubble formula takes F, B and W from the run): a
+    pass is one event, or, with the experts' layers as nodes (overlap.py), its nodes' events summed."""
+    def passes(kind):
+        return max(1, len({(e["step"], e["rank"], e.get("chunk"), e["microbatch"]) for e in events
+                           if e["kind"] == kind}))
+
+    return [sum(e["end"] - e["start"] for e in events if e["kind"] == kind) / passes(kind) for kind in kinds]
 
 
 def measured_steps(events):
