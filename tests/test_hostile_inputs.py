@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from exercises import EXERCISES
+from exercises import ALL
 from harness import REPO, run
 
 FIRST, LAST = "step01_naive", "step08_dualpipe"
@@ -248,7 +248,7 @@ def test_the_documented_reports(outcomes):
     assert "note: --save ckpt holds 1 checkpoint(s) of another run" in save["err"], save
     assert "step00000058" in save["err"], save
     listed = next(got["out"] for argv, _, _, got in found["exercise"] if argv == ["list"]).splitlines()
-    assert len(listed) == len(EXERCISES) + 1 and listed[-1].startswith("start one: "), listed
+    assert len(listed) == len(ALL) + 1 and listed[-1].startswith("start one: "), listed
     usage = [got for argv, _, _, got in found["exercise"] if len(argv) < 2 and argv != ["list"]]
     assert all(got["out"].startswith("usage: python tests/exercise.py") for got in usage), usage
     broken = next(got["out"] for argv, _, _, got in found["exercise"] if argv == ["check", "01.naive"]).splitlines()
