@@ -109,7 +109,7 @@ def fake_run(torch, calls, device: str):
     """A Run with only what train_step and PipeDream's train_steps touch, each part logging its calls."""
     timeline = SimpleNamespace(enabled=False, start_step=calls.note("start_step"), end_step=calls.note("end_step"))
     comm = SimpleNamespace(begin_step=calls.note("begin_step"), finish_sends=calls.note("finish_sends"))
-    args = SimpleNamespace(batch_size=2, seq_len=4, steps=2, microbatches=1, seed=0, dp=1)
+    args = SimpleNamespace(batch_size=2, seq_len=4, steps=2, microbatches=1, seed=0, dp=1, experts=0)  # dense
     return SimpleNamespace(args=args, device=torch.device(device, 0) if device == "cuda" else torch.device(device),
                            meter=SimpleNamespace(enabled=False),
                            timeline=timeline, comm=comm, optimizer=SimpleNamespace(step=calls.note("optimizer", {})),
