@@ -59,7 +59,6 @@ exposes only what the compute did not cover. The count exchange is not delayed.
 import time
 from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 

@@ -30,6 +30,8 @@ import io
 import re
 from collections import namedtuple
 
+import torch.distributed as dist
+
 from schedule import Stash, peaks, report_lines, stage_class, train_steps  # noqa: F401 (the family's names)
 from support import outputs
 from support.timeline import gather_events
