@@ -17,12 +17,12 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import warm
 from exercises import ALL, BY_ID
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,7 +208,7 @@ def run_check(check, exercise, folder):
         nodes = [node.format(step=exercise["step"]) for node in check[1:]]
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "--tb=short",
                "--color=no", "-o", "addopts=", f"--step-dir={exercise['step']}={folder}", *nodes]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=plain_environment())
+    done = warm.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=plain_environment())  # warm.py
     text = ANSI.sub("", done.stdout + done.stderr)
     if done.returncode == 0:
         return True, []
