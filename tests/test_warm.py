@@ -109,3 +109,26 @@ def test_a_warm_rank_is_started_as_torchrun_starts_it(name, torchrun_runs, tmp_p
         dropped = under_warm_launcher(args, tmp_path / "control", drop="GROUP_RANK")
         assert differences(torchrun, dropped) == ["rank 0: GROUP_RANK is None, under torchrun '0'",
                                                   "rank 1: GROUP_RANK is None, under torchrun '0'"]
+
+
+MODULE_PROBE = '''import os, sys
+print(sys.argv[1:], sys.argv[0] == __file__, sys.path[0], __name__, os.getcwd())
+if sys.argv[1] == "raise":
+    raise ValueError("as asked")
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.mark.parametrize("how", ["0", "3", "raise"])
+def test_a_module_started_warm_runs_as_python_m_runs_it(how, tmp_path):
+    """`python -m MODULE ARGS` (how the exercises run pytest) gives the same stdout and exit code warm and cold,
+    and an uncaught exception the same last frame and message (the frames above it are runpy's, which differ:
+    the interpreter's own start-up against runpy.run_module)."""
+    (tmp_path / "module_probe.py").write_text(MODULE_PROBE)
+    cmd = [sys.executable, "-m", "module_probe", how]
+    assert warm.server_for(cmd, dict(os.environ)) is not None, "python -m would start cold"
+    runs = [launch(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            for launch in (subprocess.run, warm.run)]
+    cold, hot = [(done.returncode, done.stdout, done.stderr.strip().splitlines()[-3:]) for done in runs]
+    assert hot == cold and cold[0] == (1 if how == "raise" else int(how)), (cold, hot)
+    assert f"[{how!r}] True {tmp_path} __main__ {tmp_path}" in cold[1], cold
