@@ -26,6 +26,7 @@ import experts
 import pipedream
 import schedule
 from support import outputs
+import action_lists
 import schedule_lab
 
 
@@ -303,7 +304,7 @@ def check_files(args):
 def outputs_of(args) -> list:
     """What a run writes: (flag, path or None, kind, the test of the course's mark for that kind)."""
     return [("--log-json", args.log_json, "log", outputs.is_log), ("--trace", args.trace, "trace", outputs.is_trace),
-            ("--dump-schedule", args.dump_schedule, "schedule list", schedule_lab.is_list)]
+            ("--dump-schedule", args.dump_schedule, "schedule list", action_lists.is_list)]
 
 
 def check_numbers(args):

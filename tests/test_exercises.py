@@ -86,7 +86,8 @@ def assert_wrong_answers_fail(entry, tmp_path):
 
 
 # The side roads: files a step adds beside its idea, read second (the top README sizes them apart).
-SIDE_ROADS = {"pipedream.py", "dualpipe.py", "schedule_lab.py", "torch_schedules.py", "experts.py", "overlap.py"}
+SIDE_ROADS = {"pipedream.py", "dualpipe.py", "action_lists.py", "schedule_lab.py", "torch_schedules.py", "experts.py",
+              "overlap.py"}
 
 
 def test_catalogue_covers_every_step_and_names_real_code():
