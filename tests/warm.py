@@ -236,13 +236,15 @@ class Server:
         self.path = path
         self.process = subprocess.Popen([sys.executable, __file__, path], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.ready = None
+        self.ready, self.reading = None, threading.Lock()
         atexit.register(self.stop)
 
     def wait_ready(self) -> bool:
-        """Whether the server is up (waits for its imports the first time)."""
-        if self.ready is None:
-            self.ready = self.process.stdout.readline().strip() == "ready"
+        """Whether the server is up (waits for its imports the first time). The server says "ready" once: a
+        thread that asks while another reads it waits for that answer, never for a second line."""
+        with self.reading:
+            if self.ready is None:
+                self.ready = self.process.stdout.readline().strip() == "ready"
         return self.ready
 
     def stop(self):
