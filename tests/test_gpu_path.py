@@ -175,10 +175,12 @@ def corpus_launch(step_dir, folder, texts):
     folder.mkdir()
     for rank, text in enumerate(texts):
         (folder / f"corpus{rank}.txt").write_text(text)
-    script = (f'exec "{sys.executable}" "{step_dir / "train.py"}" --device cpu {" ".join(TINY_RUN)} '
-              f'--data "{folder}/corpus$RANK.txt"')
+    train = step_dir / "train.py"  # run as `python train.py ...`, with rank r's own --data: a warm start
+    script = (f"import os, runpy, sys; sys.path[0] = {str(step_dir)!r}; sys.argv = [{str(train)!r}, '--device', "
+              f"'cpu', *{TINY_RUN!r}, '--data', {str(folder)!r} + f'/corpus{{os.environ[\"RANK\"]}}.txt']; "
+              f"runpy.run_path({str(train)!r}, run_name='__main__')")
     try:
-        launch(["sh", "-c", script], 2, folder, timeout=120)
+        launch([sys.executable, "-c", script], 2, folder, timeout=120)
         failed = False
     except RunFailed:
         failed = True
