@@ -89,9 +89,9 @@ def parse_as_rank_0(step_dir, folder, cases, limit_bytes=None):
     (folder / "cases.json").write_text(json.dumps(cases))
     limit = (lambda: resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, resource.RLIM_INFINITY))) \
         if limit_bytes else None
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir),
-                           str(folder / "cases.json")], cwd=folder, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=limit)
+    cmd = [sys.executable, str(REPO / "tests" / "check_bad_flags.py"), str(step_dir), str(folder / "cases.json")]
+    start = (lambda **kw: subprocess.run(cmd, preexec_fn=limit, **kw)) if limit else lambda **kw: run(cmd, **kw)
+    done = start(cwd=folder, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
