@@ -64,8 +64,8 @@ EXERCISES = [
              "(tests/overlap_lanes.py) it leaves at most half an all-to-all exposed; the run equals --pairs "
              "sequential bit for bit.",
         hide=[("overlap.py", HIDDEN_ORDER, SHOWN_ORDER)],
-        checks=[("pytest", "tests/test_overlap.py::test_the_pairs_order_is_legal_and_the_same_on_every_rank"),
-                ("pytest", "tests/test_overlap.py::test_the_pairs_order_hides_the_link_on_the_ideal_lanes"),
+        checks=[("pytest", "tests/test_overlap.py::test_the_pairs_order_is_legal_and_the_same_on_every_rank",
+                 "tests/test_overlap.py::test_the_pairs_order_hides_the_link_on_the_ideal_lanes"),
                 ("pytest", "tests/test_overlap.py::test_the_overlapped_pair_is_bitwise_the_sequential_pair")],
         hints=["An all-to-all travels while the other microbatch computes: post it, run the other pass's "
                "compute, then wait for it.",

@@ -26,7 +26,7 @@ def test_the_pairs_order_is_legal_and_the_same_on_every_rank(step_dirs):
     """pair_order, as interleave runs it: each pass's nodes in their own order, every node run, and both ranks
     of an expert group post the same collectives in the same order (exercise 08.overlap's first check)."""
     problems = posted(step_dirs)["problems"]
-    assert problems == [], "\n".join(problems)
+    assert not problems, "\n".join(problems)
 
 
 def test_the_pairs_order_hides_the_link_on_the_ideal_lanes(step_dirs):
