@@ -1,6 +1,6 @@
 """The ideal lanes of step 08's overlapped pair: how long its order leaves the compute waiting for the link.
 
-    python tests/overlap_lanes.py STEP_DIR   ->  prints JSON: the order's exposed time, the sequential pair's, the target
+    python tests/overlap_lanes.py STEP_DIR   ->  JSON: the order's exposed time, the sequential pair's, the target
 
 Two lanes, as a GPU has them: compute, one node at a time, and the link, one all-to-all at a time in posting
 order, each LINK long (as overlap.Link simulates --link-latency-ms). A node that reads an all-to-all waits for
