@@ -23,7 +23,8 @@ file their dW with the WeightGradStore when the B is split, so zb1p's and DualPi
 
 A pass is a generator (PipelineStage.forward_steps, backward_steps): it runs one node and pauses, yielding
 the node's name. --pairs sequential drives each pass to its end: the same nodes, each all-to-all waited for
-at once. The pair (interleave) resumes the two passes in Megatron-LM's order for a layer of each:
+at once. The pair (interleave) resumes the two passes in Megatron-LM's order for a layer of each
+(pair_order):
 
     compute:  B.combine | F.attention | B.experts   | B.experts W |          | F.experts   | B.attention
     comm:               B.combine ====|   F.dispatch ===========  B.dispatch=|= F.combine ===========
@@ -291,19 +292,25 @@ class LayerNodes:
             yield "attention"
 
 
-# Megatron-LM's order for a forward layer paired with a backward layer (TransformerLayerSchedulePlan.run):
-# which pass runs its next node, and which node that is.
-PAIR_ORDER = (("B", "combine"), ("F", "attention"), ("B", "experts"), ("F", "dispatch"), ("B", "experts W"),
-              ("B", "dispatch"), ("F", "experts"), ("F", "combine"), ("B", "attention"))
+def pair_order():
+    """A pair's order for one layer of each pass: [(pass, node)], pass "F" (the forward) or "B" (the backward),
+    node a name its generator yields (LayerNodes.forward: attention, dispatch, experts, combine;
+    LayerNodes.backward: combine, experts, experts W, dispatch, attention). Each pass's nodes keep their own
+    order; between the two passes, the order decides which all-to-all travels under which compute. Every
+    rank of an expert group returns the same order, so every rank posts the same collectives in turn."""
+    # Megatron-LM's order (TransformerLayerSchedulePlan.run); the module's docstring says why, node by node.
+    return [("B", "combine"), ("F", "attention"), ("B", "experts"), ("F", "dispatch"), ("B", "experts W"),
+            ("B", "dispatch"), ("F", "experts"), ("F", "combine"), ("B", "attention")]
 
 
 def interleave(forward, backward):
     """DualPipe's pair, overlapped: the forward's and the backward's nodes (two generators) run from this one
-    thread in PAIR_ORDER, layer by layer (the forward's i-th layer with the backward's i-th from the end);
+    thread in pair_order(), layer by layer (the forward's i-th layer with the backward's i-th from the end);
     a pass with layers left runs them alone; then each pass finishes (the forward's last combine and head)."""
     passes, done = {"F": forward, "B": backward}, set()
     while len(done) < 2:
-        for side, node in PAIR_ORDER:
+        order, ran_any = pair_order(), False
+        for side, node in order:
             if side in done:
                 continue
             try:
@@ -311,7 +318,9 @@ def interleave(forward, backward):
             except StopIteration:
                 done.add(side)
                 continue
+            ran_any = True
             assert ran == node, f"the pair's order expected {side}'s {node}, its pass ran {ran}"
+        assert ran_any or len(done) == 2, f"the pair's order {order} runs no node of {set(passes) - done}"
 
 
 def enabled(args) -> bool:

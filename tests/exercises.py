@@ -27,16 +27,18 @@ Each entry:
   right     other right answers: (what, file, old text, new text), applied the same way; each must pass
             every check (tests/test_exercises.py): the checks grade behaviour, not the course's wording
 
-The entries are in tests/exercises_01_04.py and tests/exercises_05_08.py; step 08's design challenges, where the
+The entries are in tests/exercises_01_04.py, tests/exercises_05_08.py and (step 08's side road of the experts)
+tests/exercises_experts.py; step 08's design challenges, where the
 learner writes a schedule as a list instead of a function, in tests/exercises_design.py (their format is there). A function that moves to another
 file or is renamed is updated there, in one place.
 """
 
 from exercises_01_04 import EXERCISES as STEPS_01_04
 from exercises_05_08 import EXERCISES as STEPS_05_08
+from exercises_experts import EXERCISES as EXPERTS
 from exercises_design import CHALLENGES
 
-EXERCISES = STEPS_01_04 + STEPS_05_08
+EXERCISES = STEPS_01_04 + STEPS_05_08 + EXPERTS
 ALL = EXERCISES + CHALLENGES  # the order of `list` and of each pass's "next"
 
 BY_ID = {exercise["id"]: exercise for exercise in ALL}

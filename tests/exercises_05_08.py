@@ -334,35 +334,4 @@ EXERCISES = [
         wrong=[("the first phase's count halved", "dualpipe.py",
                 "nF0=2 * below,", "nF0=below,", ["phase_counts(", "F0"])],
     ),
-    dict(
-        id="08.dispatch", step="step08_dualpipe",
-        functions=[("experts.py", "split_counts"), ("experts.py", "permutation")],
-        summary="split_counts: how many rows go to and come from each rank of the expert group; permutation: "
-                "the rows sorted by expert before dispatch, and the arrivals grouped by local expert after it",
-        task="Expert parallelism's dispatch (experts.py): rank r holds experts r·E/ep to (r+1)·E/ep - 1. Count "
-             "this rank's rows per expert (bincount of chosen), exchange the counts with all_to_all_single on "
-             "ep.group (equal splits: E/ep counts to each rank), and return the rows to each rank, the rows from "
-             "each rank, the received counts as [ep, E/ep] and the counts. Then sort the token-expert "
-             "assignments by expert, stably (so by destination rank), and the rows that arrive (by source rank, "
-             "then expert) by local expert.",
-        checks=[("pytest", "tests/test_experts.py::test_expert_piece_matches_its_reference[dispatch]",
-                 "tests/test_experts.py::test_expert_piece_matches_its_reference[layer_top2]",
-                 "tests/test_experts.py::test_expert_piece_matches_its_reference[layer_skewed]")],
-        hints=["Both sides of an all-to-all must know its sizes: the counts travel first, in an all-to-all of "
-               "their own.",
-               "A rank's rows for rank r are the counts of r's experts summed: counts.view(ep, E/ep).sum(1). "
-               "The arrivals come by source rank, then expert: label each row with its local expert "
-               "(repeat_interleave by the received counts) and sort stably.",
-               "order = torch.sort(chosen.flatten(), stable=True).indices; regroup = torch.sort(torch.arange("
-               "E/ep).repeat(ep).repeat_interleave(received.flatten()), stable=True).indices."],
-        right=[("argsort, stable", "experts.py",
-                "    order = torch.sort(chosen.flatten(), stable=True).indices",
-                "    order = torch.argsort(chosen.flatten(), stable=True)")],
-        wrong=[("the arrivals left in rank order", "experts.py",
-                "    regroup = torch.sort(local_expert.repeat_interleave(received.flatten()), stable=True).indices",
-                "    regroup = torch.arange(int(received.sum()), device=chosen.device)", ["layer_top2"]),
-               ("the rows left in token order", "experts.py",
-                "    order = torch.sort(chosen.flatten(), stable=True).indices",
-                "    order = torch.arange(chosen.numel(), device=chosen.device)", ["layer_top2"])],
-    ),
 ]
