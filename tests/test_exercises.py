@@ -409,6 +409,6 @@ def test_every_equivalence_check_is_a_case_of_the_suite():
 def test_every_pytest_check_names_a_test_of_the_suite():
     """The pytest checks are tests of this suite, which runs them on the course's own code: they must exist."""
     nodes = [node for step in STEPS for node in solution_checks(step, "pytest")]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-o", "addopts=", *nodes], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = harness.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                         "-o", "addopts=", *nodes], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and all(node in done.stdout for node in nodes), done.stdout + done.stderr
