@@ -246,10 +246,12 @@ def check_precision(args):
                           "and every step be skipped")
     if args.loss_scale is not None:
         check_seed(args.loss_scale, args.microbatches, args.precision)
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale <= torch.finfo(torch.float32).max:
+    low, high = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    if not low <= args.min_loss_scale <= args.initial_loss_scale <= high:  # S normal in fp32, 1/S finite there
         raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
-                          f"{args.initial_loss_scale} must satisfy 0 < min <= initial <= fp32's largest number "
-                          f"{torch.finfo(torch.float32).max:.3g}")
+                          f"{args.initial_loss_scale} must satisfy {low:.3g} <= min <= initial <= {high:.3g}, fp32's "
+                          "smallest normal and largest numbers: the scale multiplies the loss in fp32 (below them it "
+                          f"loses bits, above them it is inf) and 1/scale the gradients (inf below {1 / high:.3g})")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         raise ConfigError(f"--loss-scale-window {args.loss_scale_window} and --hysteresis {args.hysteresis} "
                           "must be at least 1")

@@ -16,9 +16,9 @@ never meet in one process) and uses the step's public training API:
 For every case it saves this rank's loss, gradients after step 0, and weights
 and losses after REFERENCE_STEPS optimizer steps, with the rank's place in the
 grid and, from step 06 on, the dimension each tensor-parallel shard was split on
-(`tp_split_dim`), so that harness.py can put the shards back together. Rank 0 then computes the
-single-device reference: the whole model on the whole global batch, written
-here and not with the step's pipeline code, so it cannot share that code's bugs.
+(`tp_split_dim`), so that harness.py can put the shards back together. Once every case has run, the ranks
+compute the single-device references, each rank those of every world-th case: the whole model on the whole
+global batch, written here and not with the step's pipeline code, so it cannot share that code's bugs.
 """
 import json
 import os
@@ -341,6 +341,18 @@ def plant(argv):
     return argv[2:], undo
 
 
+def single_device_references(args, out_case: Path, pipedream: bool):
+    """The references a case is held to, written in out_case: the test's own model, never the step's pipeline."""
+    half = getattr(args, "precision", "fp32") != "fp32"
+    if getattr(args, "experts", 0):  # step 08's mixture of experts: the test's own MoE (moe_reference.py)
+        reference_experts(args, out_case)
+    else:
+        (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
+    # DualPipeV, dense: also bitwise against this one
+    if getattr(args, "schedule", None) == "dualpipev" and not half and not getattr(args, "experts", 0):
+        reference_microbatched(args, out_case, "reference_microbatched.pt")
+
+
 def main(step_dir: str, out_dir: str, cases_json: str):
     sys.path.insert(0, os.path.abspath(step_dir))
     torch.set_num_threads(1)
@@ -355,6 +367,7 @@ def main(step_dir: str, out_dir: str, cases_json: str):
     if choice == "cuda":  # fp32 against the CPU reference: no TF32 (tests/test_cuda.py also sets the environment)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = distributed.init_distributed(choice, float(os.environ.get("PP_TEST_PG_TIMEOUT", 60)))
+    finished = []
     for i, argv in enumerate(cases):
         out_case = out / f"case{i}"
         out_case.mkdir(exist_ok=True)
@@ -362,17 +375,12 @@ def main(step_dir: str, out_dir: str, cases_json: str):
         argv, undo = plant(argv)
         args = (pipedream_run if pipedream else pipelined)(train, argv, device, out_case, rank)
         undo()
-        if rank == 0:
-            status(out, rank, f"[{' '.join(argv)}]: single-device reference")
-            half = getattr(args, "precision", "fp32") != "fp32"
-            if getattr(args, "experts", 0):  # step 08's mixture of experts: the test's own MoE (moe_reference.py)
-                reference_experts(args, out_case)
-            else:
-                (reference_pipedream if pipedream else reference_microbatched if half else reference)(args, out_case)
-            # DualPipeV, dense: also bitwise against this one
-            if getattr(args, "schedule", None) == "dualpipev" and not half and not getattr(args, "experts", 0):
-                reference_microbatched(args, out_case, "reference_microbatched.pt")
+        finished.append((argv, args, out_case, pipedream))
         dist.barrier()
+    # The references, side by side: rank r makes those of cases r, r + world, ... No rank waits for another's.
+    for argv, args, out_case, pipedream in finished[rank::dist.get_world_size()]:
+        status(out, rank, f"[{' '.join(argv)}]: single-device reference")
+        single_device_references(args, out_case, pipedream)
     status(out, rank, "done")
     distributed.shutdown()
 

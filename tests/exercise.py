@@ -15,25 +15,18 @@ own code.
 import ast
 import hashlib
 import os
-import re
 import shutil
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import warm
+from exercise_checks import REPO, TESTS, check_name, run_check
 from exercises import ALL, BY_ID
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
 COPIES = REPO / "my_exercises"
 PASSED = ".exercise-passed"  # in a copy: the digest of its exercise files when every check last passed
 HINT_LEVELS = ("the idea", "where to look", "the answer's key")
-# What a check prints must not depend on the terminal or on Jupyter (whose kernels set FORCE_COLOR=1).
-PLAIN = {"NO_COLOR": "1", "COLUMNS": "120", "TERM": "dumb"}
-COLOUR_VARIABLES = ("FORCE_COLOR", "PY_COLORS", "CLICOLOR_FORCE")
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class Refused(Exception):
@@ -173,68 +166,6 @@ def shown(path):
 
 # ------------------------------------------------------------------------------------------------ checks
 
-def check_name(check, step):
-    kind = check[0]
-    if kind == "replay":
-        return f"replay of {', '.join(check[1])}" + (f" and {check[2]}" if len(check) > 2 else "") + \
-            " (no model; pp <= 4, m <= 8)"
-    if kind == "equivalence":
-        return f"equivalence, {check[1]} ranks [{' '.join(check[2])}] against one device"
-    if kind == "verbs":
-        return "each verb alone on a fake transport (stages 0-3 of 4)"
-    if kind == "lab":
-        return "the lab: validation, replay, ideal idle, peaks, the drawing beside your list, the target" + \
-            ("" if "--no-run" in check else ", then a gloo run against one device")
-    return "the step's tests: " + ", ".join(node.split("::")[-1].format(step=step) for node in check[1:])
-
-
-def run_check(check, exercise, folder):
-    """(passed, lines): run one graded check on the copy."""
-    kind = check[0]
-    if kind == "replay":
-        cmd = [sys.executable, str(TESTS / "check_exercises.py"), "replay", str(folder), ",".join(check[1]),
-               *check[2:]]
-    elif kind == "verbs":
-        cmd = [sys.executable, str(TESTS / "check_exercises.py"), "verbs", str(folder)]
-    elif kind == "lab":  # a design challenge: tests/lab.py on the learner's list, its drawing beside it
-        listed = folder / exercise["file"]
-        cmd = [sys.executable, str(TESTS / "lab.py"), str(listed), "--pp", str(exercise["pp"]), "--microbatches",
-               str(exercise["m"]), "--times", exercise["times"], "--challenge", exercise["challenge"], "--png",
-               str(listed.with_suffix(".png")), "--step-dir", str(folder), *check[1:]]
-    elif kind == "equivalence":
-        cmd = [sys.executable, str(TESTS / "check_exercises.py"), "equivalence", str(folder), str(check[1]),
-               __import__("json").dumps(check[2])]
-    else:
-        nodes = [node.format(step=exercise["step"]) for node in check[1:]]
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "--tb=short",
-               "--color=no", "-o", "addopts=", f"--step-dir={exercise['step']}={folder}", *nodes]
-    done = warm.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=plain_environment())  # warm.py
-    text = ANSI.sub("", done.stdout + done.stderr)
-    if done.returncode == 0:
-        return True, []
-    return False, pytest_diagnosis(text, folder) if kind == "pytest" else text.strip().splitlines()  # in full
-
-
-def plain_environment():
-    """This process's environment without colour or terminal settings: the diagnosis reads the same anywhere."""
-    env = {key: value for key, value in os.environ.items() if key not in COLOUR_VARIABLES}
-    return {**env, **PLAIN}
-
-
-def pytest_diagnosis(text, folder):
-    """The assertion lines of a failed pytest run, or the exception that stopped it."""
-    from check_exercises import failure_lines
-
-    lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    stub = [line for line in lines if "NotImplementedError" in line]
-    if any("RunFailed" in line for line in lines):  # a launch of the step's ranks failed: each rank's last words
-        return stub[:1] + failure_lines("\n".join(lines), folder, most=7)
-    if stub:
-        return stub[:1] + failure_lines("\n".join(lines), folder, most=3)
-    shortened = [line if len(line) < 240 else line[:237] + "..." for line in lines if line]
-    return shortened[:8] or [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:4]
-
-
 def hint_for(exercise, lines):
     """The first level's hint that fits what the check printed: a (key word, hint) pair whose key word is in
     its lines, else the exercise's first level (the idea)."""
@@ -280,10 +211,12 @@ def check(exercise, folder, hint=1):
         return 1
     for n, each in enumerate(checks, 1):
         began = time.perf_counter()
-        passed, lines = run_check(each, exercise, folder)
+        passed, report, lines = run_check(each, exercise, folder)
         took = time.perf_counter() - began
         if not passed:
             print(f"FAIL {ident}, check {n} of {len(checks)}: {check_name(each, exercise['step'])} ({took:.1f} s)")
+            if report:  # pytest's own report first, in full; then the diagnosis and the hint
+                print("\n".join([*report, "in short:"]))
             print("\n".join(f"  {line}" for line in lines))
             print("\n".join(hint_lines(exercise, lines, hint)))
             return 1

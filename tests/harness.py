@@ -169,7 +169,7 @@ def failure_message(out: Path, texts, failed: dict, stalled, timeout) -> str:
 
 
 def tail(text: str, n: int = 15) -> str:
-    """A rank's last words, indented: the end of its last Python traceback (frames and the exception's
+    """A rank's last words, indented: its last Python traceback in full (every frame and the exception's
     line), else its last n lines. Whatever follows the exception's line (a C++ stack trace under
     TORCH_SHOW_CPP_STACKTRACES=1, warnings at exit) is counted, not shown: it would push the frames out.
     A crash faulthandler reported shows its line and the crashed thread's frames (most recent first)."""
@@ -184,7 +184,7 @@ def tail(text: str, n: int = 15) -> str:
     end = next((i for i in range(starts[-1] + 1, len(plain)) if plain[i][:1] not in " \t"), None) if starts else None
     if end is None:
         return "\n".join("    " + line for line in lines[-n:])
-    shown = lines[max(starts[-1], end + 1 - n):end + 1]
+    shown = lines[starts[-1]:end + 1]
     after = f"\n    ({len(lines) - end - 1} more lines)" if end + 1 < len(lines) else ""
     return "\n".join("    " + line for line in shown) + after
 

@@ -3,7 +3,7 @@
     python tests/lab.py FILE --pp 4 --microbatches 8 [--times 1:1:1] [--png OUT.png] [--no-run]
                         [--challenge NAME] [--step-dir step08_dualpipe]
 
-FILE is a compute-only CSV in PyTorch's notation, one row per rank (step 08's schedule_lab.py; what
+FILE is a compute-only CSV in PyTorch's notation, one row per rank (step 08's action_lists.py; what
 torch's _dump_csv writes, or train.py --dump-schedule). The lab takes it through, in order:
 
   1. validation: one line per problem, naming the rank and the action;
@@ -83,7 +83,7 @@ def refuse(line: str):
     sys.exit(2)
 
 
-def read(lab, args):
+def read(lists, args):
     """The list, or one line and exit 2: bad cells, a rank count other than --pp, a stage that does not exist."""
     try:
         times = tuple(Fraction(t) for t in args.times.split(":"))
@@ -91,12 +91,12 @@ def read(lab, args):
     except (ValueError, AssertionError, ZeroDivisionError):
         refuse(f"--times {args.times} must be three positive numbers F:B:W")
     try:
-        plan = lab.read_schedule(args.file)
-    except lab.ScheduleError as err:
+        plan = lists.read_schedule(args.file)
+    except lists.ScheduleError as err:
         refuse(f"{args.file}: {err}")
     except OSError as err:
         refuse(f"{args.file} cannot be read: {err.strerror}")
-    shape = [p for p in lab.layout_problems(plan, args.pp, args.microbatches)]
+    shape = [p for p in lists.layout_problems(plan, args.pp, args.microbatches)]
     if shape:
         refuse(f"{args.file}: {shape[0]}" + (f" (and {len(shape) - 1} more)" if len(shape) > 1 else ""))
     return plan, times
@@ -105,20 +105,20 @@ def read(lab, args):
 class ListStep(Step):
     """The replay's Step, running one list: its layout is the list's placement."""
 
-    def __init__(self, step_dir, lab, plan):
+    def __init__(self, step_dir, lab, lists, plan):
         super().__init__(step_dir)
-        self.plan, self.lab = plan, lab
+        self.plan, self.lists = plan, lists
         self.schedules["file"] = partial(lab.run_plan, plan=plan)
 
     def layout(self, name, pp, m, virtual, rank):
-        return self.lab.stages_of(self.plan, rank), len(self.lab.placement(self.plan))
+        return self.lists.stages_of(self.plan, rank), len(self.lists.placement(self.plan))
 
 
 def replay(step, pp, m):
     """(problems, logs): the list replayed on fake stages, its streams matched in posting order."""
     try:
         logs, dist = step.replay("file", pp, m, "batched")
-    except step.lab.ScheduleError as err:
+    except step.lists.ScheduleError as err:
         return [str(err)], None
     problems = match(dist.streams, pp)
     if not problems:
@@ -141,9 +141,9 @@ def draw(step, logs, times, path):
     return path
 
 
-def real_run(args, plan, lab):
+def real_run(args, plan, lists):
     """Problems of a gloo run of the list against the single-device reference (tests/harness.py)."""
-    stages = len(lab.placement(plan))
+    stages = len(lists.placement(plan))
     flags = ["--device", "cpu", "--schedule-file", str(Path(args.file).resolve()), "--pp", str(args.pp),
              "--microbatches", str(args.microbatches), "--batch-size", str(2 * args.microbatches),
              "--layers", str(stages), "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", "60"]
@@ -161,22 +161,23 @@ def table(rows):
 def main(argv=None):
     args = parse(argv)
     sys.path.insert(0, str(Path(args.step_dir).resolve()))
+    import action_lists as lists
     import schedule_lab as lab
     from support import outputs
     problem = outputs.check_all([("--png", args.png, "drawing", is_drawing)], [("the list", args.file)])
     if problem:
         refuse(problem)
-    plan, times = read(lab, args)
+    plan, times = read(lists, args)
     pp, m = args.pp, args.microbatches
     rows = []
-    problems = lab.order_problems(plan, m)
+    problems = lists.order_problems(plan, m)
     for line in problems:
         print(line)
     rows.append(("validation", not problems, f"{len(problems)} problems" if problems else "each F before its "
                  "backward, each (stage, mb) once, I before W"))
     if problems:
         return finish(rows)
-    step = ListStep(args.step_dir, lab, plan)
+    step = ListStep(args.step_dir, lab, lists, plan)
     problems, logs = replay(step, pp, m)
     for line in problems:
         print(line)
@@ -192,10 +193,10 @@ def main(argv=None):
     png = args.png or str(Path(tempfile.mkdtemp(prefix="lab-")) / (Path(args.file).stem + ".png"))
     rows.append(("drawing", True, draw(step, logs, {"F": f, "B": b, "W": w}, png)))
     if args.challenge:
-        verdict = CHALLENGES[args.challenge](plan, pp, m, idle, peaks, lab, times)
+        verdict = CHALLENGES[args.challenge](plan, pp, m, idle, peaks, lists, times)
         rows.append((f"challenge {args.challenge}", verdict is None, verdict or "met"))
     if not args.no_run:
-        problems = real_run(args, plan, lab)
+        problems = real_run(args, plan, lists)
         for line in problems:
             print(line)
         rows.append(("gloo run vs one device", not problems, problems[0][:100] if problems else

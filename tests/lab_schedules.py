@@ -12,7 +12,7 @@ STEP = Path(__file__).resolve().parent.parent / "step08_dualpipe"
 
 if __name__ == "__main__":
     sys.path.insert(0, str(STEP))
-    from schedule_lab import Action, write_schedule
+    from action_lists import Action, write_schedule
     from torch_schedules import GENERATORS
 
     if len(sys.argv) != 5 or sys.argv[1] not in GENERATORS:

@@ -29,6 +29,7 @@ import nbformat
 import pytest
 
 import exercise
+import exercise_checks
 from check_exercises import failure_lines
 from conftest import STEPS
 import harness
@@ -62,7 +63,7 @@ def first_failure(entry, folder: Path):
     """(1-based number of the first failing check or None, its diagnosis, seconds taken)."""
     start = time.perf_counter()
     for n, check in enumerate(entry["checks"], 1):
-        passed, lines = exercise.run_check(check, entry, folder)
+        passed, _, lines = exercise_checks.run_check(check, entry, folder)
         if not passed:
             return n, "\n".join(lines), time.perf_counter() - start
     return None, "", time.perf_counter() - start
@@ -86,7 +87,8 @@ def assert_wrong_answers_fail(entry, tmp_path):
 
 
 # The side roads: files a step adds beside its idea, read second (the top README sizes them apart).
-SIDE_ROADS = {"pipedream.py", "dualpipe.py", "schedule_lab.py", "torch_schedules.py", "experts.py", "overlap.py"}
+SIDE_ROADS = {"pipedream.py", "dualpipe.py", "action_lists.py", "schedule_lab.py", "torch_schedules.py", "experts.py",
+              "overlap.py"}
 
 
 def test_catalogue_covers_every_step_and_names_real_code():
@@ -275,8 +277,8 @@ def test_other_right_answers_pass(step, tmp_path, request):
     if nodes:  # one pytest run for all of them: each must pass, and pytest's start-up is paid once
         checks.append((("pytest", *dict.fromkeys(nodes)), next(e for e in EXERCISES if e["step"] == step)))
     for check, entry in checks:
-        passed, lines = exercise.run_check(check, entry, folder)
-        assert passed, f"{step} with {made} fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
+        passed, _, lines = exercise_checks.run_check(check, entry, folder)
+        assert passed, f"{step} with {made} fails {exercise_checks.check_name(check, step)}:\n" + "\n".join(lines)
 
 
 def test_hints_come_in_levels():
@@ -309,12 +311,28 @@ def test_a_mistake_is_diagnosed_under_force_color():
     yields no diagnosis."""
     coloured = "\x1b[1m\x1b[31mE   AssertionError: hysteresis counts overflows\x1b[0m"
     assert not [line for line in coloured.splitlines() if line.startswith("E ")]
-    assert exercise.pytest_diagnosis(exercise.ANSI.sub("", coloured), REPO) == ["AssertionError: hysteresis counts overflows"]
+    plain = exercise_checks.ANSI.sub("", coloured)
+    assert exercise_checks.pytest_diagnosis(plain, REPO) == ["AssertionError: hysteresis counts overflows"]
     env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "40", "TERM": "xterm-256color"}
     done = harness.run([sys.executable, "tests/exercise.py", "mistake", "07.scaler", "1"], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env=env)
     assert "hysteresis counts overflows" in done.stdout and "\x1b[" not in done.stdout, done.stdout + done.stderr
-    assert len(done.stdout.splitlines()) <= 20, done.stdout
+    shown = done.stdout.splitlines()  # pytest's report in full, then the diagnosis, then the hint
+    at = [next((i for i, line in enumerate(shown) if line.startswith(start)), -1)
+          for start in ("tests/test_loss_scaler.py:", "E   AssertionError: hysteresis", "in short:", "hint:")]
+    assert 0 <= at[0] < at[1] < at[2] < at[3] and "AssertionError: hysteresis" in shown[at[2] + 1], done.stdout
+
+
+def test_a_pytest_check_shows_pytests_report_in_full():
+    """A failed pytest check shows pytest's report as it printed it: the test's name, every frame and every E
+    line, however many; not its banners or summary. Control: output with no failure section shows nothing."""
+    frames = [f"tests/test_x.py:{n}: in f{n}\n    f{n + 1}()" for n in range(30)]
+    text = "\n".join(["F", "=" * 10 + " FAILURES " + "=" * 10, "____ test_x ____", *frames, "E   ValueError: no",
+                      "=" * 10 + " short test summary info " + "=" * 10, "FAILED tests/test_x.py::test_x",
+                      "!!!!! stopping after 1 failures !!!!!", "1 failed in 0.1s"])
+    report = exercise_checks.pytest_failure(text)
+    assert report[0] == "____ test_x ____" and report[-1] == "E   ValueError: no" and len(report) == 62, report
+    assert exercise_checks.pytest_failure("F\n1 failed in 0.1s") == []
 
 
 def test_the_learners_code_states_no_answer_beside_the_stub(tmp_path):
@@ -365,8 +383,8 @@ def solution_checks(step, kind):
 def assert_course_code_passes(step, kind):
     entry = next(e for e in EXERCISES if e["step"] == step)
     for check in solution_checks(step, kind):
-        passed, lines = exercise.run_check(check, entry, REPO / step)
-        assert passed, f"{step}'s own code fails {exercise.check_name(check, step)}:\n" + "\n".join(lines)
+        passed, _, lines = exercise_checks.run_check(check, entry, REPO / step)
+        assert passed, f"{step}'s own code fails {exercise_checks.check_name(check, step)}:\n" + "\n".join(lines)
 
 
 @pytest.mark.exercise_proofs

@@ -3,12 +3,11 @@ a layer against the test's one-process MoE (moe_reference.py), the tie-break, th
 volume. Each check has a planted bug that must fail it. The whole model is in test_equivalence.py."""
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from harness import REPO, launch
+from harness import REPO, launch, run
 from test_train import bound_problem, read_log, train_py
 
 CHECKS = ["dispatch", "layer_top2", "layer_skewed", "tie_break", "aux", "volume"]
@@ -86,7 +85,7 @@ def test_memory_estimate_counts_the_experts(step_dirs, expert_run):
     groups = [measured[0] + measured[1], measured[2] + measured[3]]
 
     def problems(flags):
-        done = subprocess.run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"),
+        done = run([sys.executable, str(REPO / "tests" / "check_bad_flags.py"),
                                str(step_dirs["step08_dualpipe"]), "--estimate", "4", *flags], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]

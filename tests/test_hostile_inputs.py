@@ -83,7 +83,9 @@ LAST_ONLY = [
     (["--resume", "ckpt", "--steps", "100"], "ckpt/step00000058/.metadata cannot be read"),
     (["--save", "ckpt2", "--keep", "0"], "--keep 0 must be at least 1"),
     (["--save", "ckpt2", "--save-every", "-1"], "--save-every -1 and --keep 2 must be at least 1"),
-    (["--precision", "fp16", "--initial-loss-scale", "1e300"], "must satisfy 0 < min <= initial <= fp32's largest"),
+    (["--precision", "fp16", "--initial-loss-scale", "1e300"], "must satisfy 1.18e-38 <= min <= initial <= 3.4e+38"),
+    (["--precision", "fp16", "--min-loss-scale", "1e-39"], "--min-loss-scale 1e-39 and --initial-loss-scale 65536.0 "
+     "must satisfy 1.18e-38 <= min <= initial <= 3.4e+38, fp32's smallest normal and largest numbers"),
     (["--loss-scale", "inf"], "--loss-scale inf must be finite"),
     (["--schedule", "dualpipev", "--pairs", "x"], "--pairs x is unknown"),
     (["--schedule", "nope"], "--schedule nope is unknown"),

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import STEPS
 import harness
-from harness import REPO, agent_store, rank_env, run_rank, torchrun_argv
+from harness import REPO, agent_store, rank_env, run, run_rank, torchrun_argv
 
 REFUSED = [(["--lr", "nan"], "error: --lr nan must be positive"),
            (["--pp", "x"], "error: argument --pp: invalid int value: 'x' (see --help)"),
@@ -58,19 +58,14 @@ def test_the_error_line_arrives_whatever_order_ranks_exit(step_dirs):
 
 
 def diverge(step_dir, folder):
-    """Two ranks at --lr 1e30 (pp 2): [(exit code, stderr)] of rank 0 and rank 1."""
-    cmd = [sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "5", "--layers", "2",
-           "--hidden", "32", "--heads", "2", "--seq-len", "16", "--lr", "1e30", "--timeout", "60"]
-    with agent_store() as port:
-        ranks = [subprocess.Popen(torchrun_argv(cmd), cwd=folder, env=rank_env(r, 2, port), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
-        try:
-            errs = [p.communicate(timeout=120)[1] for p in ranks]
-            return [(p.returncode, err) for p, err in zip(ranks, errs)]
-        finally:
-            for p in ranks:
-                p.kill()
-                p.wait()
+    """Two ranks at --lr 1e30 (pp 2), started warm as torchrun starts them: [(exit code, stderr)] of rank 0 and
+    rank 1."""
+    cmd = torchrun_argv([sys.executable, str(step_dir / "train.py"), "--device", "cpu", "--steps", "5", "--layers",
+                         "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--lr", "1e30", "--timeout", "60"])
+    with agent_store() as port, ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda r: run(cmd, cwd=folder, env=rank_env(r, 2, port), capture_output=True, text=True,
+                                           timeout=120), range(2)))
+    return [(d.returncode, d.stderr) for d in done]
 
 
 def test_a_diverged_loss_stops_the_run_with_one_line(step_dirs, tmp_path):

@@ -1,4 +1,4 @@
-"""Step 08's schedules as data (schedule_lab.py): PyTorch's notation read and written, lists checked,
+"""Step 08's schedules as data (action_lists.py, schedule_lab.py): PyTorch's notation read and written, lists checked,
 every course schedule's dumped list run bitwise equal to its function, and the lab (tests/lab.py)."""
 import json
 import sys
@@ -25,49 +25,56 @@ def lab(step_dirs):
     return schedule_lab
 
 
-def test_torch_notation_reads_and_writes_back(lab, tmp_path):
+@pytest.fixture(scope="module")
+def lists(lab):
+    """The step's action_lists module: the notation read, written and checked (its folder put first by `lab`)."""
+    import action_lists
+    return action_lists
+
+
+def test_torch_notation_reads_and_writes_back(lists, tmp_path):
     """PyTorch's cells, empty cells and communication actions included, read as computes; written back as PyTorch writes them."""
     path = tmp_path / "list.csv"
     path.write_text("0F0,,0SEND_F0,0I0,0W0,0REDUCE_GRAD\n1F0,1RECV_F0,2B3\n")
-    plan = lab.read_schedule(str(path))
+    plan = lists.read_schedule(str(path))
     assert [[str(a) for a in row] for row in plan] == [["0F0", "0I0", "0W0"], ["1F0", "2B3"]]
-    lab.write_schedule(str(tmp_path / "out.csv"), plan)
+    lists.write_schedule(str(tmp_path / "out.csv"), plan)
     assert (tmp_path / "out.csv").read_text().splitlines() == ["0F0,0I0,0W0", "1F0,2B3"]
 
 
 @pytest.mark.parametrize("cell", ["0X1", "F1", "0F", "zero"])
-def test_an_unknown_action_is_named_with_its_rank(lab, cell):
-    with pytest.raises(lab.ScheduleError, match=f"rank 1, action 0 '{cell}'"):
-        lab.parse_rows([["0F0"], [cell]])
+def test_an_unknown_action_is_named_with_its_rank(lists, cell):
+    with pytest.raises(lists.ScheduleError, match=f"rank 1, action 0 '{cell}'"):
+        lists.parse_rows([["0F0"], [cell]])
 
 
-def one_f_one_b(lab):
-    return lab.parse_rows([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
+def one_f_one_b(lists):
+    return lists.parse_rows([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
 
 
-def test_a_valid_list_has_no_problems_and_lowers(lab):
-    plan = one_f_one_b(lab)
-    assert lab.layout_problems(plan, 2, 2) == [] and lab.order_problems(plan, 2) == []
+def test_a_valid_list_has_no_problems_and_lowers(lab, lists):
+    plan = one_f_one_b(lists)
+    assert lists.layout_problems(plan, 2, 2) == [] and lists.order_problems(plan, 2) == []
     lowered = lab.lower(plan)
-    assert lowered[1][:2] == [("recv F", 1, 0), ("compute", lab.Action(1, "F", 0))]  # posted when stage 0 computes
+    assert lowered[1][:2] == [("recv F", 1, 0), ("compute", lists.Action(1, "F", 0))]  # posted when stage 0 computes
     assert lab.ideal_idle(plan) == [3, 3]  # (p-1)(F+B), a full B taking B + W
 
 
-def test_invalid_lists_are_named_by_rank_and_action(lab):
-    plan = lab.parse_rows([["0F0", "0B1", "0F1", "0W0"], ["1F0", "1B0", "1F1", "1B1", "1B1"]])
-    problems = lab.order_problems(plan, 2)
+def test_invalid_lists_are_named_by_rank_and_action(lists):
+    plan = lists.parse_rows([["0F0", "0B1", "0F1", "0W0"], ["1F0", "1B0", "1F1", "1B1", "1B1"]])
+    problems = lists.order_problems(plan, 2)
     assert "rank 0, action 1 0B1: before its 0F1" in problems
     assert "rank 0, action 3 0W0: before its 0I0" in problems
     assert "rank 1, action 4 1B1: runs twice" in problems
-    assert lab.layout_problems(plan, 3, 2)[0] == "the list has 2 rows (ranks), but --pp is 3"
-    bad_stage = lab.parse_rows([["0F0", "0B0"], ["5F0", "5B0"]])
-    assert "rank 1, action 0 5F0: stage 5 does not exist" in lab.layout_problems(bad_stage, 2, 1)[0]
+    assert lists.layout_problems(plan, 3, 2)[0] == "the list has 2 rows (ranks), but --pp is 3"
+    bad_stage = lists.parse_rows([["0F0", "0B0"], ["5F0", "5B0"]])
+    assert "rank 1, action 0 5F0: stage 5 does not exist" in lists.layout_problems(bad_stage, 2, 1)[0]
 
 
-def test_a_deadlocking_list_names_where_each_rank_waits(lab):
+def test_a_deadlocking_list_names_where_each_rank_waits(lab, lists):
     """Stage 0 waits for a gradient before it has sent the activation that would make it."""
-    plan = lab.parse_rows([["0B0", "0F0"], ["1F0", "1B0"]])
-    with pytest.raises(lab.ScheduleError, match="deadlock: rank 0 waits at 0B0; rank 1 waits at 1F0"):
+    plan = lists.parse_rows([["0B0", "0F0"], ["1F0", "1B0"]])
+    with pytest.raises(lists.ScheduleError, match="deadlock: rank 0 waits at 0B0; rank 1 waits at 1F0"):
         lab.lower(plan)
 
 
@@ -150,9 +157,9 @@ def generators(lab):
     return torch_schedules
 
 
-def write(lab, path, plan):
+def write(lists, path, plan):
     """A list of (stage, kind, mb) per rank, as a CSV file."""
-    lab.write_schedule(str(path), [[lab.Action(*a) for a in row] for row in plan])
+    lists.write_schedule(str(path), [[lists.Action(*a) for a in row] for row in plan])
 
 
 def torch_order(kind, pp, m):
@@ -185,7 +192,7 @@ GRID = [Fraction(k, 4) for k in (1, 3, 4, 7, 10)]  # F, B, W: B > 2W, B = 2W, B 
 
 
 @pytest.mark.parametrize("kind", ["zbv", "looped-bfs"])
-def test_generators_idle_and_peak_as_their_formulas(lab, generators, kind):
+def test_generators_idle_and_peak_as_their_formulas(lab, lists, generators, kind):
     """torch_schedules' formulas against the exact ideal timeline (schedule_lab.ideal_idle, pass times of one
     stage), for p 2..5, m on each side of each formula's rule, and F, B, W on a grid, wherever a formula claims to hold:
     ZB-V (m >= 2p-1, F <= B, W <= B) idles (p-1) max(B, 2(B-W)) on every rank and stores 2p (stage,
@@ -195,7 +202,7 @@ def test_generators_idle_and_peak_as_their_formulas(lab, generators, kind):
     checked, control_caught, b_alone_caught = 0, False, False
     for pp in range(2, 6):
         for m in sorted({1, pp - 1, pp, 2 * pp - 2, 2 * pp - 1, 2 * pp, 3 * pp + 1} - {0}):  # each side of each rule
-            plan, wrong = ([[lab.Action(*a) for a in row] for row in generators.GENERATORS[k](pp, m)]
+            plan, wrong = ([[lists.Action(*a) for a in row] for row in generators.GENERATORS[k](pp, m)]
                            for k in (kind, other))
             peak = generators.peak_formula(kind, pp, m)
             if peak:
@@ -234,11 +241,11 @@ def test_generated_lists_train_bitwise_as_torch(step_dirs, tmp_path, kind):
      lambda: one_f_one_b_plan(4, 8, lambda s: 4 - s - 1), 8),
     ("interleaved-m6", lambda: torch_order("interleaved", 4, 6), lambda: one_at_a_time(4, 6), 6),
 ])
-def test_challenges_are_graded(lab, tmp_path, name, meets, misses, m):
+def test_challenges_are_graded(lists, tmp_path, name, meets, misses, m):
     """Each challenge passes a list that meets it and fails one that does not (1F1B itself, for the first two)."""
     for plan, expected in ((meets(), 0), (misses(), 1)):
         path = tmp_path / f"{expected}.csv"
-        write(lab, path, plan)
+        write(lists, path, plan)
         done = run_lab(path, "--pp", "4", "--microbatches", str(m), "--no-run", "--challenge", name)
         assert done.returncode == expected and f"challenge {name}" in done.stdout, done.stdout + done.stderr
 

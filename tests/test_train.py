@@ -165,6 +165,8 @@ CASES += [
     *bad(MP_STEPS, 1, ["--precision", "fp16", "--loss-scale", "0"], "--loss-scale 0.0", "must be positive"),
     *bad(MP_STEPS, 1, ["--precision", "fp16", "--loss-scale-window", "0"], "--loss-scale-window 0", "at least 1"),
     *bad(MP_STEPS, 1, ["--initial-loss-scale", "-1"], "--initial-loss-scale -1.0"),
+    *bad(MP_STEPS, 1, ["--precision", "fp16", "--min-loss-scale", "1e-39"], "--min-loss-scale 1e-39",
+         "1.18e-38 <= min", "fp32's smallest normal", "inf below 2.94e-39"),
     *bad(MP_STEPS, 1, ["--clip-grad", "-1"], "--clip-grad -1.0"),
 ]
 PIPEDREAM_STEPS = [s for s in STEPS if s >= "step04"]

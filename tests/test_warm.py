@@ -17,7 +17,8 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,60 @@ def test_a_warm_rank_is_started_as_torchrun_starts_it(name, torchrun_runs, tmp_p
         dropped = under_warm_launcher(args, tmp_path / "control", drop="GROUP_RANK")
         assert differences(torchrun, dropped) == ["rank 0: GROUP_RANK is None, under torchrun '0'",
                                                   "rank 1: GROUP_RANK is None, under torchrun '0'"]
+
+
+MODULE_PROBE = '''import os, sys
+print(sys.argv[1:], sys.argv[0] == __file__, sys.path[0], __name__, os.getcwd())
+if sys.argv[1] == "raise":
+    raise ValueError("as asked")
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.mark.parametrize("how", ["0", "3", "raise"])
+def test_a_module_started_warm_runs_as_python_m_runs_it(how, tmp_path):
+    """`python -m MODULE ARGS` (how the exercises run pytest) gives the same stdout and exit code warm and cold,
+    and an uncaught exception the same last frame and message (the frames above it are runpy's, which differ:
+    the interpreter's own start-up against runpy.run_module)."""
+    (tmp_path / "module_probe.py").write_text(MODULE_PROBE)
+    cmd = [sys.executable, "-m", "module_probe", how]
+    assert warm.server_for(cmd, dict(os.environ)) is not None, "python -m would start cold"
+    runs = [launch(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            for launch in (subprocess.run, warm.run)]
+    cold, hot = [(done.returncode, done.stdout, done.stderr.strip().splitlines()[-3:]) for done in runs]
+    assert hot == cold and cold[0] == (1 if how == "raise" else int(how)), (cold, hot)
+    assert f"[{how!r}] True {tmp_path} __main__ {tmp_path}" in cold[1], cold
+
+
+def started_late(path: Path):
+    """A stand-in for a server still importing: it says "ready" after a second, once, then waits for its stdin."""
+    server = object.__new__(warm.Server)
+    server.path, server.ready, server.reading = str(path), None, threading.Lock()
+    server.process = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1); print('ready', "
+                                       "flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+    return server
+
+
+def both_go_on(wait_ready, path: Path) -> bool:
+    """Whether two threads that call wait_ready on one starting server both return True within 15 s."""
+    server = started_late(path)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(wait_ready, server) for _ in range(2)]
+        waited = wait(futures, timeout=15)
+        server.process.stdin.close()  # the server ends: a thread still reading gets an empty line and goes on
+        server.process.wait()
+    return not waited.not_done and all(f.result() for f in futures)
+
+
+def test_two_threads_that_wait_for_one_server_both_go_on(tmp_path):
+    """Two threads that ask for a server while it still imports (test_hostile_inputs drives two tools at once)
+    both get it: "ready" comes once, and neither waits for a second line. Control: the check without its
+    lock leaves the second thread reading until the server ends."""
+    def unlocked(server):
+        if server.ready is None:
+            server.ready = server.process.stdout.readline().strip() == "ready"
+        return server.ready
+
+    assert both_go_on(warm.Server.wait_ready, tmp_path / "a.socket")
+    assert not both_go_on(unlocked, tmp_path / "b.socket"), "the control passed: both threads went on unlocked"

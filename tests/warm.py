@@ -7,7 +7,7 @@ becomes the process the command names:
 
 - its environment is exactly the one asked for (the variables torchrun gives a rank, see harness.rank_env);
 - its working folder, sys.argv, sys.path[0], __main__ and standard streams are those of
-  `python [-u] SCRIPT ARGS` (or `python [-u] -c CODE ARGS`; torchrun starts its ranks with -u), and
+  `python [-u] SCRIPT ARGS` (or `-c CODE ARGS`, or `-m MODULE ARGS`; torchrun starts its ranks with -u), and
   PYTHONUNBUFFERED and PYTHONFAULTHANDLER act as they would at start-up;
 - it imports the step's own modules fresh: the server imports only torch and the standard library, never a
   module of a step or of tests/ (steps share module names);
@@ -16,7 +16,7 @@ becomes the process the command names:
 
 What cannot be made the same after a fork: variables read when Python or torch start (PYTHON*, OMP_*,
 LD_*, TORCH*, CUDA_*...). A command whose environment differs from the server's in any of them starts
-cold, as before; so does any command that is not `python SCRIPT` or `python -c CODE`. Every warm process
+cold, as before; so does any other form of command (`python -X ...`, `python -W ...`). Every warm process
 of a session shares the server's hash seed (PYTHONHASHSEED); fresh processes draw one each. The module
 `random` is reseeded in each fork.
 
@@ -126,6 +126,8 @@ def become(request: dict, fds):
         faulthandler.disable()
     import random
     random.seed()
+    if args[0] == "-m":
+        run_module_as_main(args[1], args[2:])
     if args[0] == "-c":
         source, filename, sys.argv, sys.path[0] = args[1], "<string>", ["-c", *args[2:]], ""
     else:
@@ -169,6 +171,20 @@ def run_as_main(source, filename: str):
         finish(exit_code(exit))
     except BaseException as error:  # noqa: B036 -- what Python's top level does with it
         finish(uncaught(error.with_traceback(error.__traceback__.tb_next)))  # from the script's frame on
+    finish(0)
+
+
+def run_module_as_main(module: str, argv):
+    """Run `python -m MODULE ARGV...`: sys.path[0] is the working folder, sys.argv[0] the module's file, and
+    the process ends as run_as_main's does."""
+    import runpy
+    sys.argv, sys.path[0] = [module, *argv], os.getcwd()  # runpy puts the module's file in sys.argv[0]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exit:
+        finish(exit_code(exit))
+    except BaseException as error:  # noqa: B036 -- what Python's top level does with it
+        finish(uncaught(error))
     finish(0)
 
 
@@ -220,13 +236,15 @@ class Server:
         self.path = path
         self.process = subprocess.Popen([sys.executable, __file__, path], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.ready = None
+        self.ready, self.reading = None, threading.Lock()
         atexit.register(self.stop)
 
     def wait_ready(self) -> bool:
-        """Whether the server is up (waits for its imports the first time)."""
-        if self.ready is None:
-            self.ready = self.process.stdout.readline().strip() == "ready"
+        """Whether the server is up (waits for its imports the first time). The server says "ready" once: a
+        thread that asks while another reads it waits for that answer, never for a second line."""
+        with self.reading:
+            if self.ready is None:
+                self.ready = self.process.stdout.readline().strip() == "ready"
         return self.ready
 
     def stop(self):
@@ -249,12 +267,12 @@ _servers, _lock = {}, threading.Lock()
 
 
 def server_for(cmd, env: dict):
-    """The server that can start `cmd` with `env`, or None: `python [-u] SCRIPT ...` and `python [-u] -c CODE
-    ...` start warm, from a server whose start-up environment is the one `env` asks for. The first process of
+    """The server that can start `cmd` with `env`, or None: `python [-u] SCRIPT ...`, `python [-u] -c CODE
+    ...` and `python [-u] -m MODULE ...` start warm, from a server whose start-up environment is the one `env` asks for. The first process of
     a session that starts a server exports its folder (SHARED); its child processes use its servers."""
     args = [str(a) for a in cmd[1:]]
     args = args[1:] if args[:1] == ["-u"] else args
-    if not (cmd[0] == sys.executable and args and (args[0] == "-c" or not args[0].startswith("-"))):
+    if not (cmd[0] == sys.executable and args and (args[0] in ("-c", "-m") or not args[0].startswith("-"))):
         return None
     key = json.dumps(fixed_at_start(env), sort_keys=True)
     name = hashlib.sha1(key.encode()).hexdigest()[:16] + ".socket"
