@@ -148,6 +148,14 @@ EXPERT_CONTROLS = [pytest.param("step08_dualpipe", 4, ["--control", name, *TINY,
 NO_STASHING = case("step04_1f1b", 2, "--pp", "2", *PIPEDREAM, "--schedule", "pipedream", "--no-weight-stashing")
 
 
+# PipeDream with TP, its weights: AdamW steps after every microbatch (6 steps here, not 3), each on one
+# microbatch's gradient, and TP adds its partial sums in another order. Measured 2.3e-5 at tp 2 x pp 2: one element
+# of layer 2's mlp.down.weight is 9.5e-6 off (without it the tensor is off by 1.6e-7), the amplification of a
+# gradient near AdamW's eps that harness.WEIGHT_RTOL describes. The one fp32 case whose weights are held to 1e-4;
+# its losses are held to 1e-5 (a PipeDream run ends on weights: it has no gradients to compare).
+PIPEDREAM_TP_WEIGHT_RTOL = 1e-4
+
+
 def tolerances(flags):
     """(gradients, weights). PipeDream without TP: bitwise, against a reference that also goes microbatch by microbatch
     (check_equivalence.reference_pipedream). fp32: harness's. Half precision without TP: bitwise, since a pipeline rounds
@@ -155,10 +163,11 @@ def tolerances(flags):
     sum to the other's (harness's fp32 tolerances; measured: bitwise at m = 4, where the fp32 sums of four bf16
     gradients are exact). With TP the row-parallel sums are rounded to the half type on each rank before the
     all-reduce adds them: bf16 keeps 8 bits, about 4e-3 relative per rounding, and a gradient passes several."""
-    if "--schedule" in flags and flags[flags.index("--schedule") + 1].startswith("pipedream") and "--tp" not in flags:
+    pipedream = "--schedule" in flags and flags[flags.index("--schedule") + 1].startswith("pipedream")
+    if pipedream and "--tp" not in flags:
         return 0.0, 0.0  # one microbatch at a time, as the reference: every sum in the same order
     if "--precision" not in flags or flags[flags.index("--precision") + 1] == "fp32":
-        return RTOL, WEIGHT_RTOL
+        return RTOL, PIPEDREAM_TP_WEIGHT_RTOL if pipedream else WEIGHT_RTOL
     if "dualpipe" in flags:  # the two copies' fp32 sums, added in another order than microbatch by microbatch
         return RTOL, WEIGHT_RTOL
     return (2e-2, 2e-2) if "--tp" in flags else (0.0, 0.0)
