@@ -307,7 +307,9 @@ def plant(argv):
     it, a function that takes the planted bug out again). Step 08's experts: expert-grads-over-dp averages the
     expert gradients over the whole data-parallel group, as a dense layer's are, instead of the experts' own
     groups; expert-norm-of-one-replica sums the global gradient norm over one replica, as if it held every expert
-    (pgm.ep set to 1 after the build: only the norm and the overflow check read it)."""
+    (pgm.ep set to 1 after the build: only the norm and the overflow check read it); expert-weights-without-decay
+    puts the experts in an AdamW group of their own with weight_decay 0 (as a no-decay group for norms and biases
+    would): the gradients are untouched, the weights drift by lr * 0.01 a step."""
     if argv[:1] != ["--control"]:
         return argv, lambda: None
     import finalize_grads
@@ -320,11 +322,18 @@ def plant(argv):
         run.pgm.ep = 1
         return run
 
+    def no_decay_build(args, device):
+        run = build(args, device)
+        experts = [getattr(p, "expert", False) for p in run.optimizer.masters]  # fp32: the parameters themselves
+        dense, moe = ([p for p, e in zip(run.optimizer.masters, experts) if e == side] for side in (False, True))
+        run.optimizer.adamw = torch.optim.AdamW([dict(params=dense), dict(params=moe, weight_decay=0.0)], lr=args.lr)
+        return run
+
     if argv[1] == "expert-grads-over-dp":
         finalize_grads.average_expert_gradients = finalize_grads.average_gradients
     else:
-        assert argv[1] == "expert-norm-of-one-replica", argv[1]
-        train.build = one_replica_build
+        assert argv[1] in ("expert-norm-of-one-replica", "expert-weights-without-decay"), argv[1]
+        train.build = one_replica_build if argv[1] == "expert-norm-of-one-replica" else no_decay_build
 
     def undo():
         finalize_grads.average_expert_gradients, train.build = original, build

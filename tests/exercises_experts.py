@@ -51,6 +51,40 @@ EXERCISES = [
                 "    order = torch.arange(chosen.numel(), device=chosen.device)", ["layer_top2"])],
     ),
     dict(
+        id="08.alltoall", step="step08_dualpipe",
+        functions=[("experts.py", "AllToAll.backward")],
+        summary="the all-to-all's backward: each row's gradient back to the rank the row came from",
+        task="AllToAll (experts.py) sends send[r] rows to each rank r and receives recv[r] (dispatch; combine swaps "
+             "the splits). Its backward gets the gradient of the rows that arrived and returns that of the rows that "
+             "left, on the ranks they left from: exchange, counted as a \"backward\" all-to-all; one per input.",
+        checks=[("pytest", *(f"tests/test_experts.py::test_expert_piece_matches_its_reference[{c}]"
+                             for c in ("dispatch", "layer_top2", "layer_skewed", "volume"))),
+                ("equivalence", 4, ["--pp", "2", "--dp", "2", "--ep", "2", "--layers", "4", "--microbatches", "4",
+                                    "--experts", "4", "--top-k", "2", "--schedule", "1f1b"])],
+        hints=["An all-to-all only moves rows; its adjoint moves each row back: the same exchange, the other way.",
+               "The forward kept ctx.send and ctx.recv. The gradient has sum(recv) rows, the forward input had "
+               "sum(send): who sent what now receives it.",
+               'return exchange(grad, ctx.recv, ctx.send, ctx.ep, "backward"), None, None, None.',
+               ("Split sizes", "The gradient has the rows that arrived, sum(recv) of them: each goes back where it "
+                               "came from, so this exchange sends recv[r] rows to rank r and receives send[r]."),
+               ("invalid gradient", "The backward returns the gradient of the rows that left, sum(send) of them, on "
+                                    "the ranks they left from: the arrived rows' gradient must travel back first."),
+               ("'backward': 0", "The volume report counts each all-to-all by direction: this one is a backward.")],
+        right=[("the splits named before the call", "experts.py",
+                '        return exchange(grad, ctx.recv, ctx.send, ctx.ep, "backward"), None, None, None',
+                '        send, recv = ctx.recv, ctx.send  # the rows go back the way they came\n'
+                '        return exchange(grad, send, recv, ctx.ep, "backward"), None, None, None')],
+        wrong=[("the forward's splits again", "experts.py",
+                'return exchange(grad, ctx.recv, ctx.send, ctx.ep, "backward")',
+                'return exchange(grad, ctx.send, ctx.recv, ctx.ep, "backward")', ["Split sizes"]),
+               ("the gradient left where it is", "experts.py",
+                'return exchange(grad, ctx.recv, ctx.send, ctx.ep, "backward"), None, None, None',
+                "return grad, None, None, None", ["invalid gradient"]),
+               ("counted as a forward all-to-all", "experts.py",
+                'return exchange(grad, ctx.recv, ctx.send, ctx.ep, "backward")',
+                'return exchange(grad, ctx.recv, ctx.send, ctx.ep, "forward")', ["volume", "'backward': 0"])],
+    ),
+    dict(
         id="08.overlap", step="step08_dualpipe",
         functions=[("overlap.py", "pair_order")],
         summary="return the order of a pair's nodes, [(pass, node)] for one layer of each pass, so that each "

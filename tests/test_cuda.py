@@ -165,9 +165,10 @@ def test_the_log_check_fails_a_missing_peak():
 
 # GPU against the CPU reference (check_equivalence.py computes it on the CPU), (gradients, weights) per precision.
 # fp32, TF32 off: GPU and CPU kernels sum in other orders, as pipelining reorders sums: harness's RTOL and
-# WEIGHT_RTOL. Half precision: each matmul's fp32 sum is rounded to the half type once, and a sum in another
-# order can round one unit in the last place apart: bf16 keeps 8 bits (4e-3), fp16 11 bits (5e-4), and a
-# gradient passes about five roundings. Derived, not yet measured on a GPU: the tier's first run confirms them.
+# WEIGHT_RTOL (both 1e-5, measured on CPUs only). Half precision: each matmul's fp32 sum is rounded to the half
+# type once, and a sum in another order can round one unit in the last place apart: bf16 keeps 8 bits (4e-3),
+# fp16 11 bits (5e-4), and a gradient passes about five roundings. Derived, not yet measured on a GPU: the
+# tier's first run confirms them.
 GPU_TOLERANCES = {"fp32": (RTOL, WEIGHT_RTOL), "bf16": (2e-2, 2e-2), "fp16": (5e-3, 5e-3)}
 TF32_OFF = {"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0"}  # whatever the container sets
 FOUR_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="fewer than the 4 CUDA devices of tp 2 x pp 2")
