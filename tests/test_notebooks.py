@@ -11,6 +11,7 @@ import pytest
 from nbclient import NotebookClient
 
 from conftest import REPO, STEPS
+from saved_outputs import cell_code
 
 NOTEBOOK_BUDGET_S = 180  # a reader on a 2-core laptop waits at most this long
 
@@ -34,6 +35,7 @@ FIRST_CELL_MAX_LINES = 15  # the first code cell: imports and setup, before the 
 
 
 def code_cells(notebook):
+    """The notebook's code cells, in order (a notebook as its JSON reads)."""
     return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
@@ -47,9 +49,7 @@ def copied_helpers(notebook, shared):
     belongs in support/plots.py."""
     found = []
     for n, cell in enumerate(code_cells(notebook)):
-        text = "\n".join("pass" if line.lstrip().startswith(("%", "!")) else line
-                         for line in "".join(cell["source"]).splitlines())
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(ast.parse(cell_code(cell))):
             if not isinstance(node, ast.FunctionDef):
                 continue
             calls = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
@@ -79,12 +79,14 @@ def structure_problems(notebook, shared):
 
 
 def shared_helpers(step):
+    """The names of the functions the step's support/notebook.py defines."""
     tree = ast.parse((REPO / step / "support" / "notebook.py").read_text())
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_setup_is_short_and_helpers_are_shared(step):
+    """The course's notebook keeps both rules (read, not run)."""
     notebook = json.loads((REPO / step / "notebook.ipynb").read_text())
     problems = structure_problems(notebook, shared_helpers(step))
     assert not problems, f"{step}/notebook.ipynb: " + "; ".join(problems)
