@@ -5,9 +5,9 @@
 NOTEBOOK defaults to STEP_DIR/notebook.ipynb (the tests pass an edited copy as a control). The notebooks print
 their own source in three ways, and each is recomputed here from the files as they are now:
 
-  * source cells: `print(inspect.getsource(obj))`, the notebooks' `show(*objects)` (getsource of each), the
-    line-numbered excerpts of step 07's `lines(module, *patterns)` (`schedule.py:94: ...`, through
-    getsourcelines), and a file's docstring (`ast.get_docstring`). These statements alone are run again; the
+  * source cells: `print(inspect.getsource(obj))`, support/notebook.py's `show(*objects)` (getsource of each)
+    and its line-numbered excerpts `lines(module, *patterns)` (`schedule.py:94: ...`, through getsourcelines),
+    and a file's docstring (`ast.get_docstring`). These statements alone are run again; the
     cell's other statements (training runs, plots) are not. Assignments, imports and definitions print nothing;
     what any other statement printed is a gap of unknown text. The saved output must be the recomputed texts,
     in order, with the gaps in between: exactly equal where no gap separates them. A gap may not continue a
@@ -108,8 +108,8 @@ class Recorder(io.TextIOBase):
 
 
 def shared_helpers(step_dir: Path, trees):
-    """The definitions a notebook imports from its step's support/notebook.py (show, table, parse): a source
-    helper there counts as one defined in the notebook."""
+    """The definitions a notebook imports from its step's support/notebook.py (show, lines, numstat, ...): a
+    source or table helper there counts as one defined in the notebook."""
     names = {a.name for tree in trees for n in tree.body
              if isinstance(n, ast.ImportFrom) and n.module == "support.notebook" for a in n.names}
     if not names:

@@ -168,6 +168,31 @@ def draw_timeline(events, step: int, ax=None, title=None, unit="ms"):
     return ax
 
 
+def draw_rank_grid(ranks, pp: int, dp: int, ax):
+    """The pp x dp grid of ranks: a row per stage, a column per replica, an arrow from each rank to the next
+    stage's, and each data-parallel group (red) and pipeline (blue) named by its ranks. `ranks` holds what each
+    rank reported: rank, stage, dp_rank, next, dp_group, pp_group."""
+    from process_groups import describe_rank  # this step's names: the notebooks run in the step's folder
+
+    for g in ranks:
+        x, y = g["dp_rank"], g["stage"]
+        ax.add_patch(plt.Rectangle((x - 0.4, y - 0.27), 0.8, 0.54, facecolor="tab:blue", alpha=0.15))
+        ax.text(x, y, f"rank {g['rank']}\n{describe_rank(g['rank'], dp)}", ha="center", va="center", fontsize=9)
+        if g["stage"] < pp - 1:  # the ring's wrap-around is not used by AFAB
+            nxt = ranks[g["next"]]
+            ax.annotate("", xy=(nxt["dp_rank"], nxt["stage"] - 0.27), xytext=(x, y + 0.27),
+                        arrowprops=dict(arrowstyle="->", color="tab:blue"))
+    for s in range(pp):
+        ax.add_patch(plt.Rectangle((-0.47, s - 0.35), dp - 0.06, 0.7, fill=False, linestyle="--", edgecolor="tab:red"))
+        ax.text(dp - 0.45, s, f"dp group\n{ranks[s * dp]['dp_group']}", color="tab:red", va="center", fontsize=8)
+    for r in range(dp):
+        ax.text(r, pp - 0.45, f"pipeline\n{ranks[r]['pp_group']}", color="tab:blue", ha="center", va="top", fontsize=8)
+    ax.set_xlim(-0.55, dp + 0.25)
+    ax.set_ylim(pp + 0.15, -0.5)
+    ax.set_axis_off()
+    ax.set_title(f"pp = {pp}, dp = {dp}")
+
+
 def import_replay():
     """tests/replay.py of the course this folder sits in (the notebooks replay schedules with it)."""
     for folder in [Path.cwd(), *Path.cwd().parents]:

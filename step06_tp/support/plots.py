@@ -170,6 +170,71 @@ def draw_timeline(events, step: int, ax=None, title=None, unit="ms"):
     return ax
 
 
+def draw_rank_grid(ranks, pp: int, dp: int, ax):
+    """The pp x dp grid of ranks: a row per stage, a column per replica, an arrow from each rank to the next
+    stage's, and each data-parallel group (red) and pipeline (blue) named by its ranks. `ranks` holds what each
+    rank reported: rank, stage, dp_rank, next, dp_group, pp_group."""
+    from process_groups import describe_rank  # this step's names: the notebooks run in the step's folder
+
+    for g in ranks:
+        x, y = g["dp_rank"], g["stage"]
+        ax.add_patch(plt.Rectangle((x - 0.4, y - 0.27), 0.8, 0.54, facecolor="tab:blue", alpha=0.15))
+        ax.text(x, y, f"rank {g['rank']}\n{describe_rank(g['rank'], dp)}", ha="center", va="center", fontsize=9)
+        if g["stage"] < pp - 1:  # the ring's wrap-around is not used by AFAB
+            nxt = ranks[g["next"]]
+            ax.annotate("", xy=(nxt["dp_rank"], nxt["stage"] - 0.27), xytext=(x, y + 0.27),
+                        arrowprops=dict(arrowstyle="->", color="tab:blue"))
+    for s in range(pp):
+        ax.add_patch(plt.Rectangle((-0.47, s - 0.35), dp - 0.06, 0.7, fill=False, linestyle="--", edgecolor="tab:red"))
+        ax.text(dp - 0.45, s, f"dp group\n{ranks[s * dp]['dp_group']}", color="tab:red", va="center", fontsize=8)
+    for r in range(dp):
+        ax.text(r, pp - 0.45, f"pipeline\n{ranks[r]['pp_group']}", color="tab:blue", ha="center", va="top", fontsize=8)
+    ax.set_xlim(-0.55, dp + 0.25)
+    ax.set_ylim(pp + 0.15, -0.5)
+    ax.set_axis_off()
+    ax.set_title(f"pp = {pp}, dp = {dp}")
+
+
+def draw_group_grid(ax, tp: int, pp: int, dp: int, kind: str):
+    """The tp x pp x dp grid of ranks at (column: replica, tp_rank; row: stage), coloured by their group of
+    `kind` (a key of process_groups.grid_groups); dashed: the TP groups."""
+    from process_groups import grid_coordinates, grid_groups  # this step's grid: the notebooks run in its folder
+
+    group_of = {r: i for i, members in enumerate(grid_groups(tp, pp, dp)[kind]) for r in members}
+    for rank in range(tp * pp * dp):
+        stage, dp_rank, tp_rank = grid_coordinates(rank, dp, tp)
+        x = dp_rank * (tp + 0.5) + tp_rank
+        color = plt.cm.tab10(group_of[rank]) if rank in group_of else "white"
+        ax.add_patch(Rectangle((x + 0.08, stage + 0.1), 0.84, 0.8, facecolor=color, alpha=0.6, edgecolor="gray"))
+        ax.text(x + 0.5, stage + 0.5, f"rank {rank}\n({stage},{dp_rank},{tp_rank})", ha="center", va="center",
+                fontsize=8)
+    for stage in range(pp):
+        for dp_rank in range(dp):
+            ax.add_patch(Rectangle((dp_rank * (tp + 0.5) + 0.02, stage + 0.04), tp - 0.04, 0.92, fill=False,
+                                       linestyle="--", edgecolor="black"))
+    ax.set_xlim(-0.1, dp * (tp + 0.5) - 0.4)
+    ax.set_ylim(pp + 0.05, -0.05)
+    ax.set_yticks([s + 0.5 for s in range(pp)], [f"stage {s}" for s in range(pp)])
+    ax.set_xticks([d * (tp + 0.5) + tp / 2 for d in range(dp)], [f"replica {d}" for d in range(dp)])
+    ax.set_title(f"{kind} groups")
+
+
+TP_STRIP = (0.18, 0.36)  # below each row's centre, where the microbatch numbers are written
+
+
+def draw_tp_timeline(events, step: int, ax, title):
+    """draw_timeline without the TP collectives, which are then drawn as black strips along the boxes' lower
+    edge, inside the compute they belong to."""
+    draw_timeline([e for e in events if e["kind"] != "tp allreduce"], step, ax=ax, title=title)
+    boxes = [(e["rank"], 1e3 * e["start"], 1e3 * (e["end"] - e["start"]))
+             for e in events if e["step"] == step and e["kind"] == "tp allreduce"]
+    for rank in {r for r, _, _ in boxes}:
+        ax.broken_barh([(s, w) for r, s, w in boxes if r == rank], (rank + TP_STRIP[0], TP_STRIP[1] - TP_STRIP[0]),
+                       facecolors="black", zorder=3)
+    handles = [*ax.get_legend().legend_handles, Patch(color="black", label="tp allreduce")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+
 def import_replay():
     """tests/replay.py of the course this folder sits in (the notebooks replay schedules with it)."""
     for folder in [Path.cwd(), *Path.cwd().parents]:
