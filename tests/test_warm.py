@@ -146,11 +146,12 @@ def started_late(path: Path):
 
 
 def both_go_on(wait_ready, path: Path) -> bool:
-    """Whether two threads that call wait_ready on one starting server both return True within 15 s."""
+    """Whether two threads that call wait_ready on one starting server (ready after 1 s) both return True
+    within 5 s."""
     server = started_late(path)
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(wait_ready, server) for _ in range(2)]
-        waited = wait(futures, timeout=15)
+        waited = wait(futures, timeout=5)
         server.process.stdin.close()  # the server ends: a thread still reading gets an empty line and goes on
         server.process.wait()
     return not waited.not_done and all(f.result() for f in futures)
