@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -276,8 +277,9 @@ def test_other_right_answers_pass(step, tmp_path, request):
     nodes = [node for check, _ in step_checks(step) if check[0] == "pytest" for node in check[1:]]
     if nodes:  # one pytest run for all of them: each must pass, and pytest's start-up is paid once
         checks.append((("pytest", *dict.fromkeys(nodes)), next(e for e in EXERCISES if e["step"] == step)))
-    for check, entry in checks:
-        passed, _, lines = exercise_checks.run_check(check, entry, folder)
+    with ThreadPoolExecutor(2) as pool:  # the checks are independent: two side by side keep both cores busy
+        results = list(pool.map(lambda c: exercise_checks.run_check(*c, folder), checks))
+    for (check, _), (passed, _, lines) in zip(checks, results):
         assert passed, f"{step} with {made} fails {exercise_checks.check_name(check, step)}:\n" + "\n".join(lines)
 
 
