@@ -219,7 +219,9 @@ def test_ctrl_c_while_torch_loads_ends_with_the_same_line(step_dirs):
     while_loading = lambda: time.sleep(0.3)
     problems = interrupt_problems(*interrupt(cmd, REPO, while_loading))
     assert not problems, problems
-    assert interrupt_problems(*interrupt([sys.executable, "-c", "import time, torch; time.sleep(60)"], REPO,
+    # On a loaded machine this process has been seen to outlive the signal and sleep on. A short sleep ends it
+    # either way, before communicate's deadline: killed by KeyboardInterrupt's traceback, or exiting 0.
+    assert interrupt_problems(*interrupt([sys.executable, "-c", "import time, torch; time.sleep(10)"], REPO,
                                          while_loading))
 
 
