@@ -269,9 +269,9 @@ def check_precision(args):
     if not low <= args.min_loss_scale <= args.initial_loss_scale <= high:  # S normal in fp32, 1/S finite there
         raise ConfigError(f"--min-loss-scale {args.min_loss_scale} and --initial-loss-scale "
                           f"{args.initial_loss_scale} must satisfy {low:.3g} <= min <= initial <= {high:.3g}, fp32's "
-                          "smallest normal and largest numbers: the scale multiplies the loss in fp32, where a scale below the "
-                          f"smallest normal loses bits and one above the largest is inf, and 1/scale multiplies the "
-                          f"gradients (inf below {1 / high:.3g})")
+                          "smallest normal and largest numbers: the scale multiplies the loss in fp32, where a scale "
+                          "below the smallest normal loses bits and one above the largest is inf, and 1/scale "
+                          f"multiplies the gradients (inf below {1 / high:.3g})")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         raise ConfigError(f"--loss-scale-window {args.loss_scale_window} and --hysteresis {args.hysteresis} "
                           "must be at least 1")
