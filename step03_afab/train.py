@@ -165,7 +165,7 @@ def train(args):
     run = build(args, device)
     check_same_corpus(run.tokens, args.data)  # before any step: one corpus on every node
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
-    log = open_log(args)
+    log = open_log(args, start)
     for step, record in enumerate(flushed_steps(run, start), start):
         if step == args.steps - 1:
             record.update(gather_peaks(run))

@@ -182,7 +182,7 @@ def train(args):
     run = build(args, device)
     check_same_corpus(run.tokens, args.data)  # before any step: one corpus on every node
     start = checkpoint.load(run, checkpoint.newest(args.resume)) if args.resume else 0  # steps already done
-    log = open_log(args)
+    log = open_log(args, start)
     records = family(args).train_steps(run, partial(flushed_steps, start=start), replica_microbatches, share_loss,
                                        start_recording)
     for step, record in enumerate(records, start):

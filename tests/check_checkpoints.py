@@ -6,7 +6,8 @@ test_checkpoints.py through harness.launch, never by pytest itself.
 Each case is {"flags": [...], and optionally
     "copy": [SRC, DST]    rank 0 copies the checkpoint folder SRC to DST first (a resume's start),
     "log_head": [SRC, DST, K]  rank 0 writes into DST the lines of the log SRC before its record of step K:
-                          the --log-json of a run that saved step K and stopped, which the resume appends to,
+                          the --log-json of a run that stopped before step K (the resume keeps its records
+                          before its checkpoint),
     "grads": [K, DIR]     this rank writes DIR/rankR.pt, its gradients of step K,
     "no_optimizer": true  the save writes, and the load asks for, no optimizer state (the control),
     "die_saving": K       rank 1 is killed (SIGKILL) in the K-th save, after writing its file, before

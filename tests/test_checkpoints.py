@@ -34,13 +34,13 @@ class Plan:
     def run(self, name, *flags, steps=6, every=3, grads_at=None, resume=None, resume_in=None, **hooks):
         """A train.py run saving into out/name (every `every` steps) and logging into out/name.jsonl; it
         resumes from a copy of out/<resume>'s step-3 checkpoint, its log out/name.jsonl holding out/<resume>.jsonl's
-        lines before step 3, or from out/<resume_in> itself."""
+        lines before step 5 (that run went on past its checkpoint, then stopped), or from out/<resume_in> itself."""
         case = dict(flags=[*SMALL, *flags, "--steps", str(steps), "--save", str(self.out / name),
                            "--save-every", str(every), "--log-json", str(self.out / f"{name}.jsonl")], name=name,
                     **hooks)
-        if resume:  # the checkpoint and the log of a run that saved step 3 and stopped
+        if resume:  # the checkpoint and the log of a run that saved step 3, trained steps 3 and 4, and stopped
             case["copy"] = [str(self.out / resume / step_name(3)), str(self.out / name / step_name(3))]
-            case["log_head"] = [str(self.out / f"{resume}.jsonl"), str(self.out / f"{name}.jsonl"), 3]
+            case["log_head"] = [str(self.out / f"{resume}.jsonl"), str(self.out / f"{name}.jsonl"), 5]
         if resume or resume_in:
             case["flags"] += ["--resume", str(self.out / (resume_in or name))]
         if grads_at is not None:
@@ -126,7 +126,7 @@ def bitwise_resume_problems(out: Path, straight: str, resumed: str) -> list:
     mine, theirs = losses(out / f"{resumed}.jsonl"), losses(out / f"{straight}.jsonl")
     steps, lines = [r["step"] for r in records(out / f"{resumed}.jsonl")], (out / f"{straight}.jsonl").read_text()
     problems = [] if steps == list(range(6)) else [f"{resumed}'s log holds steps {steps}, not 0 to 5: the earlier "
-                                                   "run's records, then the resumed run's"]
+                                                   "run's records before the checkpoint, then the resumed run's"]
     if not (out / f"{resumed}.jsonl").read_text().startswith("".join(lines.splitlines(True)[:3])):
         problems.append(f"{resumed}'s log does not begin with the earlier run's lines of steps 0-2, as they were")
     problems += [f"{resumed}: loss at step {s} is {v!r}, uninterrupted {theirs[s]!r}" for s, v in mine.items()
@@ -249,6 +249,20 @@ def test_control_a_checkpoint_without_optimizer_state_fails_the_check(checkpoint
     problems = bitwise_resume_problems(checkpoint_runs("step03_afab"), "a", "control")
     assert any("loss at step 4" in p for p in problems), problems
     assert any(p.startswith("optimizer.") and "exp_avg" in p for p in problems), problems
+
+
+def test_control_a_log_that_repeats_steps_fails_the_check(checkpoint_runs, tmp_path):
+    """Control: the resumed run's log with the earlier run's records of steps 3 and 4 kept before its own (what
+    appending the whole earlier log would leave) must fail the bitwise check, on the steps the log holds."""
+    out = checkpoint_runs("step03_afab")
+    for name in ("a", "a_resumed"):
+        (tmp_path / name).symlink_to(out / name)
+    (tmp_path / "a.jsonl").write_text((out / "a.jsonl").read_text())
+    earlier, resumed = (out / "a.jsonl").read_text().splitlines(True), (out / "a_resumed.jsonl").read_text()
+    (tmp_path / "a_resumed.jsonl").write_text("".join(earlier[:5]) + resumed[len("".join(earlier[:3])):])
+    problems = bitwise_resume_problems(tmp_path, "a", "a_resumed")
+    assert problems == ["a_resumed's log holds steps [0, 1, 2, 3, 4, 3, 4, 5], not 0 to 5: the earlier run's records "
+                        "before the checkpoint, then the resumed run's"], problems
 
 
 @pytest.mark.parametrize("step, source, target, rtol, why",

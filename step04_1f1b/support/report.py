@@ -1,7 +1,7 @@
 """What rank 0 prints: one line per step (its record also goes to --log-json), and after training each rank's
 measured memory and bubble beside the schedule's formulas.
 
-    open_log(args)                  rank 0's --log-json file
+    open_log(args, start)           rank 0's --log-json file (resumed after `start` steps: keeps their records)
     log_step(record, log)           the step's line and its record (train.py calls it after every step)
     gather_peaks(run)               every rank's memory peaks of the last step (all ranks call it, once)
     report(run, last_record)        the memory report, the bubble report and the trace file
@@ -38,8 +38,9 @@ def stage_of(args, rank: int) -> int:
     return rank // args.dp
 
 
-def open_log(args):
-    """Rank 0's --log-json file (None on the other ranks, or without the flag); a resumed run appends to it.
+def open_log(args, start: int = 0):
+    """Rank 0's --log-json file (None on the other ranks, or without the flag). A run resumed after `start` steps
+    keeps the earlier log's records of those steps and appends its own (earlier_records).
     Before the first step, rank 0 also says how long that step will take when it is long (announce), and a step
     still running after TICK_S says so every TICK_S (watch).
 
@@ -57,12 +58,24 @@ def open_log(args):
     log = outputs.open_temporary(args.log_json, buffering=1)  # support/outputs.py: the rule of every output
     log.final = args.log_json  # where log_step renames it to
     if args.resume and os.path.isfile(args.log_json):
-        with open(args.log_json) as earlier:  # config refused a file this course did not write
-            log.write(earlier.read())
-        print(f"--log-json {args.log_json}: an earlier run's log, which this resumed run appends to", flush=True)
+        kept, redone = earlier_records(args.log_json, start)
+        log.write("".join(kept))
+        print(f"--log-json {args.log_json}: an earlier run's log; this resumed run keeps its records of steps "
+              f"0-{start - 1} and appends to them" + (f", leaving out {redone} later records, of steps it trains "
+                                                       "again" if redone else ""), flush=True)
     elif os.path.isfile(args.log_json):
         print(f"--log-json {args.log_json}: an earlier run's log, which this run replaces", flush=True)
     return log
+
+
+def earlier_records(path: str, start: int):
+    """The lines of an earlier run's log that a run resumed after `start` steps keeps, and how many it leaves out.
+    It keeps the records of steps before `start`. The earlier run may have gone on past its last checkpoint: the
+    resumed run trains those steps again and logs them anew, so that each step has one record."""
+    with open(path) as f:  # config refused a file this course did not write: one JSON record per line
+        lines = f.readlines()
+    kept = [line for line in lines if json.loads(line)["step"] < start]
+    return kept, len(lines) - len(kept)
 
 
 def announce(args, long_s: float = 10.0, probe_above: float = 1e10):
