@@ -142,14 +142,15 @@ def draw(step, logs, times, path):
 
 
 def real_run(args, plan, lists):
-    """Problems of a gloo run of the list against the single-device reference (tests/harness.py)."""
+    """Problems of a gloo run of the list against the single-device reference (tests/harness.py). The run's
+    folder is deleted afterwards: a problem quotes what it needs of the ranks' output."""
     stages = len(lists.placement(plan))
     flags = ["--device", "cpu", "--schedule-file", str(Path(args.file).resolve()), "--pp", str(args.pp),
              "--microbatches", str(args.microbatches), "--batch-size", str(2 * args.microbatches),
              "--layers", str(stages), "--hidden", "32", "--heads", "2", "--seq-len", "16", "--timeout", "60"]
-    out = Path(tempfile.mkdtemp(prefix="lab-"))
-    failed = run_cases(Path(args.step_dir), args.pp, [flags], out, timeout=300)[0]
-    return [failed] if failed else compare_case(out / "case0", args.pp, Path(args.file).name)
+    with tempfile.TemporaryDirectory(prefix="lab-") as out:
+        failed = run_cases(Path(args.step_dir), args.pp, [flags], Path(out), timeout=300)[0]
+        return [failed] if failed else compare_case(Path(out) / "case0", args.pp, Path(args.file).name)
 
 
 def table(rows):

@@ -3,6 +3,7 @@ every course schedule's dumped list run bitwise equal to its function, and the l
 import json
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -113,7 +114,10 @@ def torch_csv(path, kind, pp, m, virtual=1):
 
 
 def run_lab(path, *flags):
-    return harness.run([sys.executable, str(REPO / "tests" / "lab.py"), str(path), *flags],
+    """tests/lab.py on the list at path; its drawing beside the list (not in a new temporary folder) unless flags
+    name one."""
+    png = [] if "--png" in flags else ["--png", str(Path(path).with_suffix(".png"))]
+    return harness.run([sys.executable, str(REPO / "tests" / "lab.py"), str(path), *flags, *png],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
