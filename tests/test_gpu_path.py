@@ -229,8 +229,10 @@ def test_a_machine_with_one_gpu_runs_the_cpu_suite_unchanged(one_fake_gpu, step_
     step_dir = step_dirs[STEPS[0]]
     out = one_fake_gpu / "suite"
     assert re.search(r"^step +0 +loss", train_py(step_dir, 1, *TINY_RUN, out=out), re.MULTILINE)
-    notebook = ("import sys, tempfile; sys.path.insert(0, '.'); from support import plots; "
-                f"print(plots.run_train(1, *{TINY_RUN!r}, workdir=tempfile.mkdtemp()).records)")
+    workdir = one_fake_gpu / "notebook"
+    workdir.mkdir()
+    notebook = ("import sys; sys.path.insert(0, '.'); from support import plots; "
+                f"print(plots.run_train(1, *{TINY_RUN!r}, workdir={str(workdir)!r}).records)")
     done = harness.run([sys.executable, "-c", notebook], cwd=step_dir, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "'loss'" in done.stdout, done.stderr[-3000:]
     with pytest.raises(RunFailed):
