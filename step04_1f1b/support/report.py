@@ -38,7 +38,7 @@ def stage_of(args, rank: int) -> int:
     return rank // args.dp
 
 
-def open_log(args, start: int = 0):
+def open_log(args, start: int):
     """Rank 0's --log-json file (None on the other ranks, or without the flag). A run resumed after `start` steps
     keeps the earlier log's records of those steps and appends its own (earlier_records).
     Before the first step, rank 0 also says how long that step will take when it is long (announce), and a step
