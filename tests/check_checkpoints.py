@@ -5,9 +5,9 @@ test_checkpoints.py through harness.launch, never by pytest itself.
 
 Each case is {"flags": [...], and optionally
     "copy": [SRC, DST]    rank 0 copies the checkpoint folder SRC to DST first (a resume's start),
-    "log_head": [SRC, DST, K]  rank 0 writes into DST the lines of the log SRC before its record of step K:
-                          the --log-json of a run that stopped before step K (the resume keeps its records
-                          before its checkpoint),
+    "log_head": [SRC, DST, K]  rank 0 writes into DST the lines of the log SRC before its record of step K,
+                          then half of that record: the --log-json of a run that stopped writing step K's record
+                          (a full disk; the resume keeps the records before its checkpoint),
     "grads": [K, DIR]     this rank writes DIR/rankR.pt, its gradients of step K,
     "no_optimizer": true  the save writes, and the load asks for, no optimizer state (the control),
     "die_saving": K       rank 1 is killed (SIGKILL) in the K-th save, after writing its file, before
@@ -99,8 +99,9 @@ def full_in_save(k: int):
 
 
 def copy_log_head(source: str, target: str, step: int):
-    """The lines of the log at source up to its first record of `step` or later, written to target (a line that is
-    no step record, such as a mark the course may write, is kept as it is)."""
+    """The lines of the log at source up to its first record of `step` or later, then the first half of that
+    record, without its newline (a write cut short), written to target (a line that is no step record, such as a
+    mark the course may write, is kept as it is)."""
     head = []
     for line in Path(source).read_text().splitlines(keepends=True):
         try:
@@ -108,6 +109,7 @@ def copy_log_head(source: str, target: str, step: int):
         except ValueError:
             record = None
         if isinstance(record, dict) and record.get("step", -1) >= step:
+            head.append(line[:len(line) // 2])
             break
         head.append(line)
     Path(target).write_text("".join(head))

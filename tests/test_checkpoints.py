@@ -34,11 +34,12 @@ class Plan:
     def run(self, name, *flags, steps=6, every=3, grads_at=None, resume=None, resume_in=None, **hooks):
         """A train.py run saving into out/name (every `every` steps) and logging into out/name.jsonl; it
         resumes from a copy of out/<resume>'s step-3 checkpoint, its log out/name.jsonl holding out/<resume>.jsonl's
-        lines before step 5 (that run went on past its checkpoint, then stopped), or from out/<resume_in> itself."""
+        lines before step 5 and half of step 5's (that run went on past its checkpoint, then stopped writing), or
+        from out/<resume_in> itself."""
         case = dict(flags=[*SMALL, *flags, "--steps", str(steps), "--save", str(self.out / name),
                            "--save-every", str(every), "--log-json", str(self.out / f"{name}.jsonl")], name=name,
                     **hooks)
-        if resume:  # the checkpoint and the log of a run that saved step 3, trained steps 3 and 4, and stopped
+        if resume:  # the checkpoint and log of a run that saved step 3, trained steps 3-5, and died writing 5's record
             case["copy"] = [str(self.out / resume / step_name(3)), str(self.out / name / step_name(3))]
             case["log_head"] = [str(self.out / f"{resume}.jsonl"), str(self.out / f"{name}.jsonl"), 5]
         if resume or resume_in:

@@ -71,10 +71,11 @@ def open_log(args, start: int):
 def earlier_records(path: str, start: int):
     """The lines of an earlier run's log that a run resumed after `start` steps keeps, and how many it leaves out.
     It keeps the records of steps before `start`. The earlier run may have gone on past its last checkpoint: the
-    resumed run trains those steps again and logs them anew, so that each step has one record."""
+    resumed run trains those steps again and logs them anew, so that each step has one record. A last line
+    without its newline is a record cut short (a full disk): its step is one the resumed run trains again."""
     with open(path) as f:  # config refused a file this course did not write: one JSON record per line
         lines = f.readlines()
-    kept = [line for line in lines if json.loads(line)["step"] < start]
+    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] < start]
     return kept, len(lines) - len(kept)
 
 
